@@ -1,0 +1,1 @@
+"""kvguard: tells a KV-cache block leak from a saturated prefix cache, with evidence."""

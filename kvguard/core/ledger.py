@@ -1,0 +1,361 @@
+"""The ownership ledger: which request holds which KV blocks, fed by engine hooks.
+
+The ledger is kvguard's own memory of block ownership. It deliberately
+outlives the engine's bookkeeping: when vLLM pops a request's block table but
+the blocks never return to the pool, the engine has forgotten who held them,
+while the ledger still names the request, its finish reason and the exit path.
+
+Invariants (checked by the property tests in ``tests/core``):
+
+* ``owners_of(b)`` and each record's ``blocks`` describe the same multiset of
+  (request, block) references; the null block is never recorded.
+* A reference is released at most once. A release with no matching
+  acquisition is recorded as a double free, never as a negative count.
+* Memory is bounded: a finished request that holds nothing and has no transfer
+  or deferred free pending is compacted into ``num_finished_compacted`` right
+  away, so records exist only for live requests and for finished requests that
+  still hold blocks (at most the pool size).
+
+The ledger is not thread-safe; the engine calls it from its one scheduler
+thread. It imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvguard.core.types import (
+    AcquireKind,
+    BlockId,
+    FinishReason,
+    LeakPath,
+    RequestId,
+    RequestPhase,
+    finish_reason_path,
+)
+
+DOUBLE_FREE_HISTORY = 1024
+"""How many double-free events the ledger remembers in detail (the count is exact)."""
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the ledger knows about one request. Owned and mutated by the ledger only."""
+
+    request_id: RequestId
+    client_request_id: str
+    admitted_at: float
+    phase: RequestPhase = RequestPhase.WAITING
+    finish_reason: FinishReason | None = None
+    finished_at: float | None = None
+    freed_at: float | None = None
+    """When the engine declared the request freed (it may still hold blocks: a leak)."""
+    num_preemptions: int = 0
+    delayed_free_pending: bool = False
+    """The KV connector asked to keep the blocks until its transfer completes."""
+    delayed_free_started_at: float | None = None
+    deferred_free_pending: bool = False
+    """Blocks were popped for a free that waits for an in-flight step (``deferred_frees``)."""
+    blocks: dict[BlockId, int] = field(default_factory=dict)
+    """Block id -> number of references this request holds on it (normally 1)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def exit_path(self) -> LeakPath:
+        """The path a finished request took out of the engine: where a leak would hide."""
+        if self.delayed_free_started_at is not None:
+            return LeakPath.DELAYED_FREE
+        if self.deferred_free_pending:
+            return LeakPath.DEFERRED_FREE
+        if self.finish_reason is None:
+            return LeakPath.UNKNOWN
+        path = finish_reason_path(self.finish_reason)
+        if path is LeakPath.FINISH and self.num_preemptions:
+            return LeakPath.PREEMPTION
+        return path
+
+
+@dataclass(frozen=True, slots=True)
+class DoubleFreeEvent:
+    """A release of a reference the ledger does not know to be held."""
+
+    block_id: BlockId
+    request_id: RequestId | None
+    path: LeakPath
+
+
+def client_request_id(request_id: str) -> str:
+    """Map vLLM's internal id (``<client id>-<8 hex>``) back to the client's id."""
+    head, sep, tail = request_id.rpartition("-")
+    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+        return head
+    return request_id
+
+
+class OwnershipLedger:
+    """Block ownership per request, with lifecycle phase, finish reason and times.
+
+    All ``at`` arguments are Unix time in seconds (``time.time()``).
+    """
+
+    def __init__(self, *, null_block_ids: Iterable[int] = (0,)) -> None:
+        self._records: dict[RequestId, RequestRecord] = {}
+        self._owners: dict[BlockId, dict[RequestId, int]] = {}
+        self._unattributed: Counter[BlockId] = Counter()
+        self._unattributed_kind: dict[BlockId, AcquireKind] = {}
+        self._null_blocks = frozenset(BlockId(b) for b in null_block_ids)
+        self.double_frees: deque[DoubleFreeEvent] = deque(maxlen=DOUBLE_FREE_HISTORY)
+        self.num_double_frees = 0
+        self.num_finished_compacted: Counter[FinishReason] = Counter()
+        self.num_events: Counter[str] = Counter()
+
+    # ----------------------------------------------------------------- queries
+    def record(self, request_id: RequestId) -> RequestRecord | None:
+        return self._records.get(request_id)
+
+    def records(self) -> Iterable[RequestRecord]:
+        return self._records.values()
+
+    def owners_of(self, block_id: BlockId) -> Mapping[RequestId, int]:
+        return self._owners.get(block_id, {})
+
+    def owned_block_ids(self) -> Iterable[BlockId]:
+        """Blocks with at least one recorded owner or unattributed reference."""
+        return self._owners.keys() | self._unattributed.keys()
+
+    def unattributed_refs(self, block_id: BlockId) -> int:
+        return self._unattributed.get(block_id, 0)
+
+    def unattributed_kind(self, block_id: BlockId) -> AcquireKind | None:
+        return self._unattributed_kind.get(block_id)
+
+    @property
+    def num_records(self) -> int:
+        return len(self._records)
+
+    @property
+    def num_ownerships(self) -> int:
+        """Live (request, block) references held in the ledger."""
+        return sum(len(r.blocks) for r in self._records.values())
+
+    def num_live_requests(self) -> int:
+        return sum(1 for r in self._records.values() if r.phase.is_live)
+
+    def finished_holding(self) -> list[RequestRecord]:
+        """Finished requests that still hold at least one block."""
+        return [
+            r for r in self._records.values() if r.phase is RequestPhase.FINISHED and r.blocks
+        ]
+
+    # ------------------------------------------------------------- lifecycle
+    def on_request_admitted(self, request_id: RequestId, at: float) -> None:
+        self.num_events["admit"] += 1
+        if request_id in self._records:
+            return  # re-admission of a streaming session: keep what it holds
+        self._records[request_id] = RequestRecord(
+            request_id=request_id,
+            client_request_id=client_request_id(request_id),
+            admitted_at=at,
+        )
+
+    def on_request_preempted(self, request_id: RequestId) -> None:
+        self.num_events["preempt"] += 1
+        rec = self._ensure(request_id)
+        rec.phase = RequestPhase.PREEMPTED
+        rec.num_preemptions += 1
+
+    def on_request_finished(self, request_id: RequestId, reason: FinishReason, at: float) -> None:
+        self.num_events["finish"] += 1
+        self.num_events[f"finish_{reason.value}"] += 1
+        rec = self._ensure(request_id, at)
+        rec.phase = RequestPhase.FINISHED
+        rec.finish_reason = reason
+        rec.finished_at = at
+
+    def on_delayed_free_started(self, request_id: RequestId, at: float) -> None:
+        """The KV connector keeps the request's blocks until its transfer completes."""
+        self.num_events["delayed_free_begin"] += 1
+        rec = self._ensure(request_id, at)
+        rec.delayed_free_pending = True
+        rec.delayed_free_started_at = at
+
+    def on_deferred_free_started(self, request_id: RequestId) -> None:
+        """The request's blocks were popped for a free that waits for an in-flight step."""
+        self.num_events["deferred_free"] += 1
+        self._ensure(request_id).deferred_free_pending = True
+
+    def on_request_freed(self, request_id: RequestId, at: float) -> None:
+        """The engine is done with the request (its block free was issued or skipped)."""
+        self.num_events["free"] += 1
+        rec = self._records.get(request_id)
+        if rec is None:
+            return
+        if rec.delayed_free_pending:
+            self.num_events["delayed_free_end"] += 1
+        rec.delayed_free_pending = False
+        rec.freed_at = at
+        self._maybe_compact(rec)
+
+    # ---------------------------------------------------------------- blocks
+    def on_blocks_acquired(
+        self,
+        request_id: RequestId | None,
+        block_ids: Iterable[int],
+        kind: AcquireKind,
+    ) -> None:
+        """Record one reference per block, for ``request_id`` or unattributed."""
+        self.num_events[kind.value] += 1
+        if request_id is None:
+            for b in block_ids:
+                bid = BlockId(b)
+                if bid in self._null_blocks:
+                    continue
+                self._unattributed[bid] += 1
+                self._unattributed_kind[bid] = kind
+            return
+        rec = self._ensure(request_id)
+        if rec.phase is RequestPhase.WAITING or rec.phase is RequestPhase.PREEMPTED:
+            rec.phase = RequestPhase.RUNNING
+        for b in block_ids:
+            bid = BlockId(b)
+            if bid in self._null_blocks:
+                continue
+            self._add_ref(rec, bid)
+
+    def claim(self, request_id: RequestId, block_ids: Iterable[int]) -> None:
+        """Make sure ``request_id`` holds each block, per the engine's own block table.
+
+        Unattributed references (seen by a pool hook with no request at hand)
+        are claimed first; a block the request already holds is left alone.
+        Never removes anything: a block the engine dropped from its table
+        without freeing it must stay on the request's record as evidence.
+        """
+        rec = self._records.get(request_id)
+        if rec is None:
+            return
+        for b in block_ids:
+            bid = BlockId(b)
+            if bid in self._null_blocks or bid in rec.blocks:
+                continue
+            if self._unattributed.get(bid, 0) > 0:
+                self._take_unattributed(bid)
+            self._add_ref(rec, bid)
+
+    def on_blocks_released(
+        self, request_id: RequestId | None, block_ids: Iterable[int]
+    ) -> None:
+        """Release one reference per block.
+
+        With ``request_id``, the reference comes off that request. Without,
+        it comes off the owner that is expected to be freeing: a finished
+        request first (oldest first), then an unattributed reference, then a
+        live request (preemption frees live requests' blocks).
+        """
+        self.num_events["release"] += 1
+        for b in block_ids:
+            bid = BlockId(b)
+            if bid in self._null_blocks:
+                continue
+            if request_id is not None:
+                rec = self._records.get(request_id)
+                if rec is not None and bid in rec.blocks:
+                    self._drop_ref(rec, bid)
+                    continue
+                if self._unattributed.get(bid, 0) > 0:
+                    self._take_unattributed(bid)
+                    continue
+                self._record_double_free(bid, request_id, rec)
+                continue
+            owner = self._pick_releasing_owner(bid)
+            if owner is not None:
+                self._drop_ref(owner, bid)
+            elif self._unattributed.get(bid, 0) > 0:
+                self._take_unattributed(bid)
+            else:
+                self._record_double_free(bid, None, None)
+
+    # -------------------------------------------------------------- internals
+    def _ensure(self, request_id: RequestId, at: float = 0.0) -> RequestRecord:
+        rec = self._records.get(request_id)
+        if rec is None:
+            # A request the hooks first see mid-life (plugin loaded late, or a
+            # missed admit): track it from here on.
+            rec = RequestRecord(
+                request_id=request_id,
+                client_request_id=client_request_id(request_id),
+                admitted_at=at,
+            )
+            self._records[request_id] = rec
+        return rec
+
+    def _add_ref(self, rec: RequestRecord, bid: BlockId) -> None:
+        rec.blocks[bid] = rec.blocks.get(bid, 0) + 1
+        owners = self._owners.get(bid)
+        if owners is None:
+            self._owners[bid] = {rec.request_id: 1}
+        else:
+            owners[rec.request_id] = owners.get(rec.request_id, 0) + 1
+
+    def _drop_ref(self, rec: RequestRecord, bid: BlockId) -> None:
+        n = rec.blocks[bid] - 1
+        if n:
+            rec.blocks[bid] = n
+        else:
+            del rec.blocks[bid]
+        owners = self._owners[bid]
+        m = owners[rec.request_id] - 1
+        if m:
+            owners[rec.request_id] = m
+        else:
+            del owners[rec.request_id]
+            if not owners:
+                del self._owners[bid]
+        if not rec.blocks and rec.deferred_free_pending:
+            rec.deferred_free_pending = False
+        self._maybe_compact(rec)
+
+    def _take_unattributed(self, bid: BlockId) -> None:
+        n = self._unattributed[bid] - 1
+        if n:
+            self._unattributed[bid] = n
+        else:
+            del self._unattributed[bid]
+            self._unattributed_kind.pop(bid, None)
+
+    def _pick_releasing_owner(self, bid: BlockId) -> RequestRecord | None:
+        owners = self._owners.get(bid)
+        if not owners:
+            return None
+        best: RequestRecord | None = None
+        for rid in owners:
+            rec = self._records[rid]
+            if rec.phase is RequestPhase.FINISHED:
+                if best is None or best.phase is not RequestPhase.FINISHED or (
+                    (rec.finished_at or 0.0) < (best.finished_at or 0.0)
+                ):
+                    best = rec
+            elif best is None:
+                best = rec
+        return best
+
+    def _record_double_free(
+        self, bid: BlockId, request_id: RequestId | None, rec: RequestRecord | None
+    ) -> None:
+        self.num_double_frees += 1
+        path = rec.exit_path if rec is not None else LeakPath.UNKNOWN
+        self.double_frees.append(DoubleFreeEvent(bid, request_id, path))
+
+    def _maybe_compact(self, rec: RequestRecord) -> None:
+        if (
+            rec.phase is RequestPhase.FINISHED
+            and rec.freed_at is not None
+            and not rec.blocks
+            and not rec.delayed_free_pending
+        ):
+            del self._records[rec.request_id]
+            self.num_finished_compacted[rec.finish_reason or FinishReason.UNKNOWN] += 1

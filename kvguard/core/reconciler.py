@@ -1,0 +1,237 @@
+"""Put every usable block in exactly one state and name what is wrong with it.
+
+The reconciler compares three things: the pool's ref counts (what the engine
+does), the ledger's owners (what kvguard saw happen) and the pool's own free
+count (what the engine believes). It reconciles from *state*, not from events
+alone: a reference taken by a path no hook sees (a connector bound to the pool,
+a copy-on-write pair, a bug) still shows up as a ref count nobody owns.
+
+Per block, with ``rc`` the ref count and ``owners`` the ledger's references:
+
+=======================================  ==================  ====================
+condition                                state               finding (cause)
+=======================================  ==================  ====================
+rc == 0, no owners, hashed               cached              --
+rc == 0, no owners, not hashed           free                --
+rc == 0 but owners, or rc < 0            free/cached/orph.   double_free
+rc > 0 but in the free queue             active/...          double_free
+rc > 0, a live owner                     active              refcount_drift if rc
+                                                             != sum of owner refs
+rc > 0, only finished owners             held_by_finished    finished_request
+                                                             (unless in a bounded
+                                                             delayed free)
+rc > 0, no owner                         orphaned            orphan
+rc == 0, not in the free queue           orphaned            orphan (unreachable)
+=======================================  ==================  ====================
+
+Findings are grouped per (cause, request) so a leak of 5 blocks by one request
+is one finding of 5 blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvguard.core.findings import Finding, PoolStates, Reconciliation
+from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger, RequestRecord
+from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.types import (
+    AcquireKind,
+    BlockId,
+    BlockState,
+    Evidence,
+    LeakCause,
+    LeakPath,
+    RequestId,
+    RequestPhase,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcileOptions:
+    """How to judge holds that may be legitimate."""
+
+    now: float
+    """Unix time of the audit, in seconds."""
+    delayed_free_bound_seconds: float = 30.0
+    """A finished request may hold its blocks this long while its KV transfer completes."""
+    evidence: Evidence = Evidence.DRAINED
+
+
+_GroupKey = tuple[LeakCause, RequestId | None, LeakPath]
+
+
+class _Collector:
+    def __init__(self, opts: ReconcileOptions) -> None:
+        self.opts = opts
+        self.groups: dict[_GroupKey, Finding] = {}
+
+    def add(
+        self,
+        cause: LeakCause,
+        block_id: int,
+        *,
+        rec: RequestRecord | None = None,
+        request_id: RequestId | None = None,
+        path: LeakPath = LeakPath.UNKNOWN,
+        detail: str = "",
+    ) -> None:
+        rid = rec.request_id if rec is not None else request_id
+        key = (cause, rid, path)
+        f = self.groups.get(key)
+        if f is None:
+            f = Finding(cause=cause, path=path, blocks=0, request_id=rid, detail=detail,
+                        evidence=self.opts.evidence)
+            if rec is not None:
+                f.client_request_id = rec.client_request_id
+                f.finish_reason = rec.finish_reason
+                if rec.finished_at is not None:
+                    f.held_for_seconds = max(0.0, self.opts.now - rec.finished_at)
+            self.groups[key] = f
+        f.add_block(block_id)
+
+
+def _hold_is_legitimate(rec: RequestRecord, opts: ReconcileOptions) -> bool:
+    """A delayed free (KV transfer in flight) younger than its bound is not a leak yet."""
+    if not rec.delayed_free_pending or rec.delayed_free_started_at is None:
+        return False
+    return opts.now - rec.delayed_free_started_at < opts.delayed_free_bound_seconds
+
+
+def reconcile(
+    snapshot: PoolSnapshot, ledger: OwnershipLedger, opts: ReconcileOptions
+) -> Reconciliation:
+    """Classify every usable block of ``snapshot`` against ``ledger``. Pure: changes neither."""
+    refs = snapshot.ref_counts
+    cached = snapshot.cached
+    free_q = snapshot.in_free_queue
+    nulls = snapshot.null_block_ids
+    counts = {s: 0 for s in BlockState}
+    out = _Collector(opts)
+    double_free_by_block: dict[int, DoubleFreeEvent] = {e.block_id: e for e in ledger.double_frees}
+    interesting = set(ledger.owned_block_ids()) | double_free_by_block.keys()
+
+    n_free = n_cached = n_zero = 0
+    for b, rc in enumerate(refs):
+        if rc == 0 and b not in interesting and b not in nulls:
+            n_zero += 1
+            if free_q is not None and not free_q[b]:
+                counts[BlockState.ORPHANED] += 1
+                out.add(LeakCause.ORPHAN, b, detail="ref_cnt 0 but not in the free queue: "
+                        "the block can never be allocated again")
+            elif cached[b]:
+                n_cached += 1
+            else:
+                n_free += 1
+            continue
+        if b in nulls:
+            continue
+        if rc == 0:
+            n_zero += 1
+        _classify(BlockId(b), rc, bool(cached[b]), None if free_q is None else bool(free_q[b]),
+                  ledger, double_free_by_block.get(b), counts, out)
+    counts[BlockState.FREE] += n_free
+    counts[BlockState.CACHED] += n_cached
+
+    if free_q is None and snapshot.num_free_reported != n_zero:
+        diff = snapshot.num_free_reported - n_zero
+        cause = LeakCause.DOUBLE_FREE if diff > 0 else LeakCause.ORPHAN
+        out.groups[(cause, None, LeakPath.UNKNOWN)] = Finding(
+            cause=cause, path=LeakPath.UNKNOWN, blocks=abs(diff), evidence=opts.evidence,
+            detail=f"the pool reports {snapshot.num_free_reported} free blocks but "
+                   f"{n_zero} have ref_cnt 0",
+        )
+
+    holders = {
+        r.request_id for r in ledger.records()
+        if r.phase is RequestPhase.FINISHED and r.blocks
+    }
+    findings = [
+        f for f in out.groups.values()
+        if not (f.cause is LeakCause.FINISHED_REQUEST and f.request_id is not None
+                and _is_legit_holder(ledger, f.request_id, opts))
+    ]
+    findings.sort(key=lambda f: (f.cause.value, -(f.blocks), f.request_id or ""))
+    states = PoolStates(capacity=snapshot.capacity, counts=counts)
+    return Reconciliation(
+        states=states,
+        findings=findings,
+        finished_requests_holding=len(holders),
+        num_free_reported=snapshot.num_free_reported,
+        num_free_observed=n_zero,
+    )
+
+
+def _is_legit_holder(ledger: OwnershipLedger, rid: RequestId, opts: ReconcileOptions) -> bool:
+    rec = ledger.record(rid)
+    return rec is not None and _hold_is_legitimate(rec, opts)
+
+
+def _classify(
+    b: BlockId,
+    rc: int,
+    is_cached: bool,
+    in_free_queue: bool | None,
+    ledger: OwnershipLedger,
+    double_free: DoubleFreeEvent | None,
+    counts: dict[BlockState, int],
+    out: _Collector,
+) -> None:
+    owners = ledger.owners_of(b)
+    unattributed = ledger.unattributed_refs(b)
+    recs = [r for r in (ledger.record(rid) for rid in owners) if r is not None]
+
+    if rc <= 0:
+        reachable = in_free_queue is not False and rc == 0
+        state = (BlockState.CACHED if is_cached else BlockState.FREE) if reachable \
+            else BlockState.ORPHANED
+        counts[state] += 1
+        if rc < 0 or recs or unattributed:
+            culprit = double_free.request_id if double_free is not None else None
+            path = double_free.path if double_free is not None else LeakPath.UNKNOWN
+            victims = ", ".join(r.client_request_id for r in recs) or "an unattributed reference"
+            out.add(LeakCause.DOUBLE_FREE, b, rec=ledger.record(culprit) if culprit else None,
+                    request_id=culprit, path=path,
+                    detail=f"ref_cnt {rc} while still held by {victims}" if rc == 0
+                    else f"ref_cnt {rc}: freed more times than acquired")
+        return
+
+    live = [r for r in recs if r.phase.is_live]
+    finished = [r for r in recs if not r.phase.is_live]
+    expected = sum(owners.values()) + unattributed
+    if in_free_queue:
+        counts[BlockState.ACTIVE if live else
+               BlockState.HELD_BY_FINISHED if finished else BlockState.ORPHANED] += 1
+        culprit = double_free.request_id if double_free is not None else None
+        out.add(LeakCause.DOUBLE_FREE, b, rec=ledger.record(culprit) if culprit else None,
+                request_id=culprit,
+                path=double_free.path if double_free is not None else LeakPath.UNKNOWN,
+                detail=f"ref_cnt {rc} but the block is in the free queue")
+        return
+    if live:
+        counts[BlockState.ACTIVE] += 1
+        if expected != rc:
+            out.add(LeakCause.REFCOUNT_DRIFT, b, rec=live[0], path=LeakPath.UNKNOWN,
+                    detail=f"ref_cnt {rc} but {expected} known references")
+        return
+    if finished:
+        counts[BlockState.HELD_BY_FINISHED] += 1
+        for r in finished:
+            out.add(LeakCause.FINISHED_REQUEST, b, rec=r, path=r.exit_path,
+                    detail="finished and freed, still holds its blocks"
+                    if r.freed_at is not None else "finished, blocks not freed yet")
+        return
+    counts[BlockState.ORPHANED] += 1
+    if unattributed:
+        kind = ledger.unattributed_kind(b)
+        path = LeakPath.PREFIX_HIT if kind is AcquireKind.PREFIX_HIT else LeakPath.ROLLBACK
+        out.add(LeakCause.ORPHAN, b, path=path,
+                detail=f"ref_cnt {rc}, taken by a {kind.value if kind else 'pool'} call "
+                       "that no request claimed")
+    elif double_free is not None:
+        out.add(LeakCause.REFCOUNT_DRIFT, b, request_id=double_free.request_id,
+                path=double_free.path, detail=f"ref_cnt {rc} after a release of an unheld reference")
+    else:
+        out.add(LeakCause.ORPHAN, b, path=LeakPath.UNKNOWN,
+                detail=f"ref_cnt {rc} and no known owner: a reference was taken outside "
+                       "every hooked path")

@@ -1,0 +1,49 @@
+"""A point-in-time copy of an engine's block pool, independent of the engine.
+
+Arrays are indexed by block id. Null blocks (vLLM's block 0, whose ref count is
+not maintained) are listed in ``null_block_ids`` and excluded from every count;
+``capacity`` is the number of usable blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvguard.errors import CorruptStateError
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """Ref counts and cache/free-queue membership of every block, read in one go.
+
+    ``in_free_queue`` is ``None`` when the reader could not walk the free queue;
+    the reconciler then relies on ``num_free_reported`` alone.
+    """
+
+    ref_counts: Sequence[int]
+    cached: Sequence[bool]
+    """The block carries a prefix-cache hash (evictable when its ref count is 0)."""
+    num_free_reported: int
+    """The pool's own count of free blocks (vLLM: ``free_block_queue.num_free_blocks``)."""
+    null_block_ids: frozenset[int] = frozenset({0})
+    in_free_queue: Sequence[bool] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.ref_counts)
+        if len(self.cached) != n or (self.in_free_queue is not None and len(self.in_free_queue) != n):
+            raise CorruptStateError(
+                f"pool snapshot arrays disagree in length: ref_counts={n}, "
+                f"cached={len(self.cached)}, "
+                f"in_free_queue={None if self.in_free_queue is None else len(self.in_free_queue)}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """All blocks, null blocks included (vLLM's ``num_gpu_blocks``)."""
+        return len(self.ref_counts)
+
+    @property
+    def capacity(self) -> int:
+        """Usable blocks: every block but the null blocks."""
+        return len(self.ref_counts) - len(self.null_block_ids)

@@ -1,0 +1,103 @@
+"""Turn a reconciliation into a verdict and a human explanation."""
+
+from __future__ import annotations
+
+from kvguard.core.findings import Finding, Reconciliation
+from kvguard.core.types import BlockState, LeakCause, LeakPath, Verdict
+
+SATURATION_RATIO_DEFAULT = 0.8
+"""Cached blocks at or above this share of capacity make a clean pool ``saturated``."""
+
+_NEXT_STEP: dict[LeakCause, str] = {
+    LeakCause.FINISHED_REQUEST: (
+        "A finished request kept its block references: a block-reference transition on "
+        "the {path} path did not release them. Fix the free on that path; restarting the "
+        "engine only hides it."
+    ),
+    LeakCause.ORPHAN: (
+        "Blocks are referenced but no request owns them: a reference was taken outside a "
+        "request's block table ({path}). Look for code that bumps ref_cnt directly "
+        "(connectors bound to the pool, copy-on-write, rollback of a failed allocation)."
+    ),
+    LeakCause.REFCOUNT_DRIFT: (
+        "Ref counts disagree with the known owners: some path changes ref_cnt without the "
+        "matching acquire/release."
+    ),
+    LeakCause.DOUBLE_FREE: (
+        "Blocks were released more often than acquired ({path}): a block may now be handed "
+        "to two requests at once (KV corruption). Treat as urgent."
+    ),
+}
+
+_PATH_WORDS: dict[LeakPath, str] = {
+    LeakPath.ABORT: "abort/cancel",
+    LeakPath.DELAYED_FREE: "delayed free (KV transfer completion never arrived)",
+    LeakPath.DEFERRED_FREE: "deferred free",
+    LeakPath.PREEMPTION: "preemption",
+    LeakPath.ERROR: "error",
+    LeakPath.FINISH: "normal finish",
+    LeakPath.ROLLBACK: "allocation rollback",
+    LeakPath.PREFIX_HIT: "prefix hit",
+    LeakPath.UNKNOWN: "unknown",
+}
+
+
+def decide(
+    rec: Reconciliation, *, saturation_ratio: float = SATURATION_RATIO_DEFAULT
+) -> tuple[Verdict, str]:
+    """The verdict of a drained checkpoint and its explanation (what, and what next)."""
+    if rec.findings:
+        return Verdict.LEAK, _explain_leak(rec)
+    s = rec.states
+    if s.capacity and s.saturation_ratio >= saturation_ratio:
+        return Verdict.SATURATED, (
+            f"The prefix cache is saturated: {s.counts[BlockState.CACHED]} of {s.capacity} blocks hold "
+            f"evictable cached prefixes ({s.saturation_ratio:.0%}) and no request holds a block "
+            "it should not. This is the cache working as designed, not a leak: cached blocks "
+            "are reclaimed on demand. Nothing to do; watch kvguard_leaked_blocks instead of "
+            "KV usage for leaks."
+        )
+    return Verdict.CLEAN, (
+        f"The pool is clean: all {s.capacity} usable blocks are free "
+        f"({s.counts[BlockState.FREE]}) or cached ({s.counts[BlockState.CACHED]}), every reference is "
+        "accounted for. Nothing to do."
+    )
+
+
+def skipped_explanation(reason: str) -> str:
+    return (
+        f"No verdict: the engine was not drained ({reason}). A residual taken while work is in "
+        "flight is not evidence. kvguard checks again at the next drained moment."
+    )
+
+
+def _explain_leak(rec: Reconciliation) -> str:
+    total = sum(f.blocks for f in rec.findings)
+    lines = [f"{total} block(s) leaked in {len(rec.findings)} finding(s)."]
+    for f in rec.findings[:5]:
+        lines.append("- " + describe_finding(f))
+    if len(rec.findings) > 5:
+        lines.append(f"- ... and {len(rec.findings) - 5} more (see leaks)")
+    seen: set[LeakCause] = set()
+    for f in rec.findings:
+        if f.cause not in seen:
+            seen.add(f.cause)
+            lines.append("Next: " + _NEXT_STEP[f.cause].format(path=_PATH_WORDS[f.path]))
+    return "\n".join(lines)
+
+
+def describe_finding(f: Finding) -> str:
+    """One sentence: "request X finished (aborted) 12.0 s ago and still holds 5 blocks"."""
+    who = f.client_request_id or f.request_id
+    if f.cause is LeakCause.FINISHED_REQUEST:
+        reason = f.finish_reason.value if f.finish_reason else "unknown"
+        ago = f" {f.held_for_seconds:.1f} s ago" if f.held_for_seconds is not None else ""
+        return (f"request {who} finished ({reason}){ago} and still holds {f.blocks} block(s) "
+                f"[path: {_PATH_WORDS[f.path]}]")
+    if f.cause is LeakCause.DOUBLE_FREE:
+        by = f" by request {who}" if who else ""
+        return f"{f.blocks} block(s) double-freed{by} [path: {_PATH_WORDS[f.path]}]: {f.detail}"
+    if f.cause is LeakCause.REFCOUNT_DRIFT:
+        return f"{f.blocks} block(s) with ref-count drift: {f.detail}"
+    return f"{f.blocks} orphaned block(s) [path: {_PATH_WORDS[f.path]}]: {f.detail}"
+

@@ -1,0 +1,97 @@
+"""kvguard settings: one object, read from ``KVGUARD_*`` environment variables.
+
+Settings are read once, when the plugin installs itself in an engine process
+(or when a CLI command starts), never at import time. Every field below has an
+environment variable of the same name, upper-cased, with the ``KVGUARD_``
+prefix; the README lists them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from kvguard.errors import ConfigError
+
+ENV_PREFIX = "KVGUARD_"
+
+
+def default_run_dir() -> Path:
+    """Where engines publish their state for readers (a shared volume in Kubernetes)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base) / "kvguard"
+
+
+@dataclass(frozen=True, slots=True)
+class KvguardConfig:
+    """Everything kvguard can be told. Times in seconds, ratios in [0, 1]."""
+
+    enabled: bool = True
+    """Master switch inside the engine; ``KVGUARD_ENABLED=0`` installs nothing."""
+    run_dir: Path = field(default_factory=default_run_dir)
+    """Directory for the engine's state file (created owner-only, mode 0700)."""
+    engine_name: str | None = None
+    """The ``engine`` label. Default: ``dp<data-parallel rank>`` (``dp0``)."""
+    delayed_free_bound_seconds: float = 30.0
+    """How long a finished request may hold blocks while its KV transfer completes."""
+    saturation_ratio: float = 0.8
+    """Cached share of capacity at which a clean pool is reported ``saturated``."""
+    checkpoint_min_interval_seconds: float = 1.0
+    """At most one checkpoint per this interval while the engine stays drained-with-suspects."""
+    publish_interval_seconds: float = 1.0
+    """Live counters are handed to the publisher at most this often."""
+    history: int = 64
+    """Checkpoint reports kept in the engine's state file."""
+    faults: str = ""
+    """Fault injection for tests and staging only, e.g. ``skip_free_on_abort=1``."""
+    allow_faults: bool = False
+    """Second key for ``faults``: both must be set, or faults stay off."""
+    control_token: str | None = None
+    """Token the sidecar requires on control endpoints (``KVGUARD_CONTROL_TOKEN``)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> KvguardConfig:
+        """Read ``KVGUARD_*`` variables; ``overrides`` win. Raises ``ConfigError`` on bad values."""
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = _parse(key, env[key], f.type)
+        values.update(overrides)
+        cfg = cls(**values)  # type: ignore[arg-type]
+        cfg._validate()
+        return cfg
+
+    def _validate(self) -> None:
+        if not 0.0 < self.saturation_ratio <= 1.0:
+            raise ConfigError("KVGUARD_SATURATION_RATIO", self.saturation_ratio, "a ratio in (0, 1]")
+        for name in ("delayed_free_bound_seconds", "checkpoint_min_interval_seconds",
+                     "publish_interval_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")
+        if self.history < 1:
+            raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
+
+
+def _parse(key: str, raw: str, typ: object) -> object:
+    t = str(typ)
+    try:
+        if "bool" in t:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if "float" in t:
+            return float(raw)
+        if "int" in t:
+            return int(raw)
+        if "Path" in t:
+            return Path(raw)
+    except ValueError:
+        raise ConfigError(key, raw, f"a value of type {t}") from None
+    return raw if raw or "None" not in t else None

@@ -1,0 +1,1 @@
+"""Getting engine state out of EngineCore: a state file per engine, written off-thread."""

@@ -1,0 +1,100 @@
+"""Engine side: hand the latest state to a writer thread; never wait.
+
+The engine thread calls ``offer(state)``, which swaps one reference under a
+lock held for a few instructions and sets an event. A daemon thread writes
+the newest state atomically (temp file + ``os.replace``) to
+``<run_dir>/<engine>.json`` with mode 0600 in a 0700 directory. If the writer
+is slower than the engine, intermediate states are dropped (counted in
+``drops``): only the newest state matters because each one is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+from kvguard.transport.state import EngineState
+
+log = logging.getLogger("kvguard.transport")
+
+
+def state_path(run_dir: Path, engine: str) -> Path:
+    return run_dir / f"{engine}.json"
+
+
+class StatePublisher:
+    """Writes the newest ``EngineState`` for one engine. Thread-safe ``offer``; never blocks."""
+
+    def __init__(self, run_dir: Path, engine: str) -> None:
+        self.path = state_path(run_dir, engine)
+        self._run_dir = run_dir
+        self._lock = threading.Lock()
+        self._pending: EngineState | None = None
+        self._wake = threading.Event()
+        self._stop = False
+        self.drops = 0
+        self.writes = 0
+        self.errors = 0
+        self._warned = False
+        self._thread = threading.Thread(target=self._run, name=f"kvguard-publish-{engine}",
+                                        daemon=True)
+        self._thread.start()
+
+    def offer(self, state: EngineState) -> None:
+        with self._lock:
+            if self._pending is not None:
+                self.drops += 1
+            self._pending = state
+        self._wake.set()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the newest offered state is on disk (tests and shutdown only)."""
+        deadline = threading.Event()
+        for _ in range(int(timeout / 0.01)):
+            with self._lock:
+                if self._pending is None and not self._writing:
+                    return True
+            deadline.wait(0.01)
+        return False
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    _writing = False
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                state, self._pending = self._pending, None
+                self._writing = state is not None
+            if state is None:
+                continue
+            try:
+                self._write(state)
+                self.writes += 1
+            except OSError as exc:
+                self.errors += 1
+                if not self._warned:
+                    self._warned = True
+                    log.warning("kvguard cannot write its state to %s (%s); the engine is not "
+                                "affected, readers will see stale data. Check KVGUARD_RUN_DIR.",
+                                self.path, exc)
+            finally:
+                with self._lock:
+                    self._writing = False
+
+    def _write(self, state: EngineState) -> None:
+        self._run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        data = state.model_dump_json().encode()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)

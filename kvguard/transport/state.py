@@ -1,0 +1,47 @@
+"""The message an engine publishes: its full current state (not a delta).
+
+Publishing the full state (bounded: counters plus the last N reports) means a
+reader that starts late, or restarts, resynchronises from one read; nothing
+is lost when nobody is reading.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvguard.core.report import CheckpointReport, PoolReport
+
+STATE_SCHEMA_VERSION = 1
+
+
+class EngineState(BaseModel):
+    """One engine's state as published. Written by the engine, read by ``kvguard report``/sidecar."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    schema_version: int = STATE_SCHEMA_VERSION
+    kvguard_version: str
+    engine: str
+    epoch: str = Field(description="pid and start time of the engine process.")
+    pid: int
+    started_at: float
+    updated_at: float
+    vllm_version: str | None = None
+    hooks_installed: list[str] = Field(default_factory=list)
+    hooks_missing: list[str] = Field(default_factory=list)
+    faults_enabled: list[str] = Field(default_factory=list)
+    pool: PoolReport | None = Field(default=None, description="At the last audit.")
+    live_requests: int = 0
+    finished_requests_holding_blocks: int = 0
+    ledger_records: int = 0
+    ledger_ownerships: int = 0
+    events_total: dict[str, int] = Field(default_factory=dict)
+    hook_errors_total: int = 0
+    hook_errors_by_hook: dict[str, int] = Field(default_factory=dict)
+    checkpoints_total: dict[str, int] = Field(default_factory=dict)
+    publish_drops_total: int = 0
+    reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
+
+    @property
+    def latest_report(self) -> CheckpointReport | None:
+        return self.reports[-1] if self.reports else None

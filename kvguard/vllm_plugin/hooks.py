@@ -1,0 +1,262 @@
+"""Wrap the vLLM methods where blocks move and where requests change phase.
+
+Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone):
+
+===============================================  =============================================
+``BlockPool.get_new_blocks``                     blocks allocated (unattributed until claimed)
+``BlockPool.touch``                              prefix-cache hit: a reference on a cached block
+``BlockPool.free_blocks`` / ``unpin_blocks``     references released
+``Scheduler.add_request``                        admit
+``Scheduler._preempt_request``                   preempt (the request's blocks are freed)
+``Scheduler._free_request``                      finish with reason; connector may delay the free
+``Scheduler._free_request_blocks``               the free itself, possibly deferred
+``Scheduler._free_blocks``                       the request is done (delayed free ends here)
+``Scheduler.finish_requests``                    abort/cancel from outside: a drain may follow
+``Scheduler.update_from_output``                 end of a step: a drain may follow
+===============================================  =============================================
+
+Only ``update_from_output`` runs on every step; the pool hooks run when blocks
+actually move (about once per ``block_size`` tokens per request). Request ids
+for acquisitions are not known at the pool level; the ledger records them as
+unattributed and claims them from the engine's own block tables at the next
+lifecycle transition or audit. Each hook body is wrapped in ``try``/``except``:
+a failure is counted and the engine's call proceeds unchanged. A method that
+this vLLM version lacks is listed in ``hooks_missing`` with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvguard.core.types import AcquireKind, FinishReason, RequestId
+from kvguard.vllm_plugin.faults import Fault
+from kvguard.vllm_plugin.guard import EngineGuard
+from kvguard.vllm_plugin.pool_reader import request_block_ids
+
+log = logging.getLogger("kvguard")
+
+_FINISH_REASONS = {
+    "FINISHED_STOPPED": FinishReason.STOPPED,
+    "FINISHED_LENGTH_CAPPED": FinishReason.LENGTH,
+    "FINISHED_ABORTED": FinishReason.ABORTED,
+    "FINISHED_IGNORED": FinishReason.IGNORED,
+    "FINISHED_ERROR": FinishReason.ERROR,
+    "FINISHED_REPETITION": FinishReason.REPETITION,
+}
+
+_MARK = "__kvguard_hook__"
+
+
+def finish_reason_of(request: Any) -> FinishReason:
+    name = getattr(getattr(request, "status", None), "name", "")
+    return _FINISH_REASONS.get(name, FinishReason.UNKNOWN)
+
+
+def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
+    orig = getattr(obj, name, None)
+    label = f"{type(obj).__name__}.{name}"
+    if orig is None or not callable(orig):
+        g.hooks_missing.append(label)
+        log.warning("kvguard: %s not found in this vLLM version; that hook is off and "
+                    "findings on its path may be attributed less precisely", label)
+        return
+    if getattr(orig, _MARK, False):
+        return  # already installed: idempotent
+    wrapper = make(orig)
+    setattr(wrapper, _MARK, True)
+    setattr(obj, name, wrapper)
+    g.hooks_installed.append(label)
+
+
+def install_hooks(g: EngineGuard) -> None:
+    """Install every hook on ``g.scheduler`` and its block pool."""
+    pool = g.block_pool
+    sched = g.scheduler
+    kvm = g.kv_cache_manager
+    ledger = g.ledger
+    errors = g.errors
+    faults = g.faults
+
+    def claim(rid: RequestId) -> None:
+        ledger.claim(rid, request_block_ids(kvm, rid))
+
+    # --- pool: where blocks move -------------------------------------------
+    def make_get_new_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
+            ret = orig(*args, **kwargs)
+            try:
+                ledger.on_blocks_acquired(g.current_owner, [b.block_id for b in ret],
+                                          AcquireKind.ALLOCATE)
+            except Exception as exc:
+                errors.record("get_new_blocks", exc)
+            return ret
+        return get_new_blocks
+
+    def make_touch(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def touch(blocks: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
+            ret = orig(blocks, *args, **kwargs)
+            try:
+                ledger.on_blocks_acquired(g.current_owner, [b.block_id for b in blocks],
+                                          AcquireKind.PREFIX_HIT)
+            except Exception as exc:
+                errors.record("touch", exc)
+            return ret
+        return touch
+
+    def make_release(hook: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def release(blocks: Any, *args: Any, **kwargs: Any) -> Any:
+                blocks = blocks if isinstance(blocks, list) else list(blocks)
+                ret = orig(blocks, *args, **kwargs)
+                try:
+                    ledger.on_blocks_released(
+                        g.current_owner,
+                        [b.block_id for b in blocks if getattr(b, "pool", pool) in (pool, None)],
+                    )
+                except Exception as exc:
+                    errors.record(hook, exc)
+                return ret
+            return release
+        return make
+
+    _wrap(g, pool, "get_new_blocks", make_get_new_blocks)
+    _wrap(g, pool, "touch", make_touch)
+    _wrap(g, pool, "free_blocks", make_release("free_blocks"))
+    _wrap(g, pool, "unpin_blocks", make_release("unpin_blocks"))
+
+    # --- scheduler: lifecycle ----------------------------------------------
+    def make_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+            ret = orig(request, *args, **kwargs)
+            try:
+                ledger.on_request_admitted(RequestId(request.request_id), time.time())
+            except Exception as exc:
+                errors.record("add_request", exc)
+            return ret
+        return add_request
+
+    def make_preempt(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _preempt_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rid: RequestId | None = None
+            try:
+                rid = RequestId(request.request_id)
+                claim(rid)
+                ledger.on_request_preempted(rid)
+            except Exception as exc:
+                errors.record("preempt", exc)
+            prev, g.current_owner = g.current_owner, rid
+            try:
+                return orig(request, *args, **kwargs)
+            finally:
+                g.current_owner = prev
+        return _preempt_request
+
+    def make_free_request(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _free_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rid: RequestId | None = None
+            try:
+                rid = RequestId(request.request_id)
+                claim(rid)
+                ledger.on_request_finished(rid, finish_reason_of(request), time.time())
+                if faults and faults.fire(Fault.REFCOUNT_BUMP):
+                    tail = request_block_ids(kvm, rid)
+                    if tail:
+                        pool.blocks[tail[-1]].ref_cnt += 1  # behind every hook, on purpose
+                if faults and faults.fire(Fault.HOOK_ERROR):
+                    raise RuntimeError("injected kvguard hook failure (KVGUARD_FAULTS=hook_error)")
+            except Exception as exc:
+                errors.record("finish", exc)
+            prev, g.current_owner = g.current_owner, rid
+            try:
+                return orig(request, *args, **kwargs)
+            finally:
+                g.current_owner = prev
+                try:
+                    if rid is not None:
+                        requests = getattr(sched, "requests", {})
+                        rec = ledger.record(rid)
+                        if rid in requests and rec is not None and not rec.delayed_free_pending:
+                            ledger.on_delayed_free_started(rid, time.time())
+                    g.drain_pending = True
+                except Exception as exc:
+                    errors.record("finish", exc)
+        return _free_request
+
+    def make_free_request_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _free_request_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rid: RequestId | None = None
+            skip = False
+            double: list[Any] = []
+            n_deferred = 0
+            try:
+                rid = RequestId(request.request_id)
+                claim(rid)
+                n_deferred = len(getattr(sched, "deferred_frees", ()))
+                if faults and finish_reason_of(request) is FinishReason.ABORTED \
+                        and request_block_ids(kvm, rid):
+                    if faults.fire(Fault.SKIP_FREE_ON_ABORT):
+                        skip = True
+                    elif faults.fire(Fault.DOUBLE_FREE_ON_ABORT):
+                        double = [pool.blocks[b] for b in request_block_ids(kvm, rid)]
+            except Exception as exc:
+                errors.record("free_request_blocks", exc)
+            if skip:
+                return None  # injected fault: the free on this abort path never happens
+            prev, g.current_owner = g.current_owner, rid
+            try:
+                ret = orig(request, *args, **kwargs)
+                if double:
+                    pool.free_blocks(list(reversed(double)))  # injected fault: freed twice
+                return ret
+            finally:
+                g.current_owner = prev
+                try:
+                    if rid is not None and len(getattr(sched, "deferred_frees", ())) > n_deferred:
+                        ledger.on_deferred_free_started(rid)
+                except Exception as exc:
+                    errors.record("free_request_blocks", exc)
+        return _free_request_blocks
+
+    def make_free_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _free_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
+            rid: RequestId | None = None
+            try:
+                rid = RequestId(request.request_id)
+            except Exception as exc:
+                errors.record("free", exc)
+            prev, g.current_owner = g.current_owner, rid
+            try:
+                return orig(request, *args, **kwargs)
+            finally:
+                g.current_owner = prev
+                try:
+                    if rid is not None:
+                        ledger.on_request_freed(rid, time.time())
+                    g.drain_pending = True
+                except Exception as exc:
+                    errors.record("free", exc)
+        return _free_blocks
+
+    def make_step_end(hook: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def make(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def step_end(*args: Any, **kwargs: Any) -> Any:
+                ret = orig(*args, **kwargs)
+                try:
+                    g.on_step_end()
+                except Exception as exc:
+                    errors.record(hook, exc)
+                return ret
+            return step_end
+        return make
+
+    _wrap(g, sched, "add_request", make_add_request)
+    _wrap(g, sched, "_preempt_request", make_preempt)
+    _wrap(g, sched, "_free_request", make_free_request)
+    _wrap(g, sched, "_free_request_blocks", make_free_request_blocks)
+    _wrap(g, sched, "_free_blocks", make_free_blocks)
+    _wrap(g, sched, "finish_requests", make_step_end("finish_requests"))
+    _wrap(g, sched, "update_from_output", make_step_end("update_from_output"))

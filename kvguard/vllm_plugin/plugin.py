@@ -1,0 +1,75 @@
+"""The ``vllm.general_plugins`` entry point: ``kvguard = kvguard.vllm_plugin.plugin:register``.
+
+vLLM calls ``register()`` in every process it starts (API server, EngineCore,
+workers), in EngineCore before the scheduler is built. ``register`` patches
+``Scheduler.__init__`` once so that each scheduler built afterwards gets an
+``EngineGuard`` and its hooks; in processes that never build a scheduler it
+costs nothing. Enable with ``VLLM_PLUGINS=kvguard`` (or leave ``VLLM_PLUGINS``
+unset, which loads every installed plugin); disable with ``KVGUARD_ENABLED=0``.
+
+Nothing here may stop the engine: a bad setting or an unexpected vLLM
+version logs one error and leaves the engine running without kvguard.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from kvguard.config import KvguardConfig
+from kvguard.vllm_plugin.faults import FaultPlan
+
+log = logging.getLogger("kvguard")
+
+_PATCHED = "__kvguard_patched__"
+
+
+def register() -> None:
+    """Entry point. Idempotent."""
+    try:
+        config = KvguardConfig.from_env()
+        if not config.enabled:
+            log.info("kvguard disabled (KVGUARD_ENABLED=0)")
+            return
+        FaultPlan.parse(config.faults, allowed=config.allow_faults)  # fail early, loudly
+        from vllm.v1.core.sched.scheduler import Scheduler
+    except Exception as exc:
+        log.error("kvguard is OFF for this process: %s", exc)
+        return
+    if getattr(Scheduler, _PATCHED, False):
+        return
+    original_init = Scheduler.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        attach(self, config)
+
+    Scheduler.__init__ = __init__
+    setattr(Scheduler, _PATCHED, True)
+
+
+def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
+    """Attach a guard to one scheduler (also usable without the entry point). Never raises."""
+    from kvguard.vllm_plugin.guard import EngineGuard, guard_of
+    from kvguard.vllm_plugin.hooks import install_hooks
+
+    existing = guard_of(scheduler)
+    if existing is not None:
+        return existing
+    try:
+        config = config or KvguardConfig.from_env()
+        guard = EngineGuard(scheduler, config, FaultPlan.parse(config.faults,
+                                                                allowed=config.allow_faults))
+        install_hooks(guard)
+        scheduler._kvguard = guard
+        log.info("kvguard attached to engine %s (%d hooks, %d missing); state in %s",
+                 guard.engine, len(guard.hooks_installed), len(guard.hooks_missing),
+                 guard.publisher.path)
+        guard.publish()
+        return guard
+    except Exception as exc:
+        log.error("kvguard could not attach to this engine and is OFF for it: %s", exc,
+                  exc_info=exc)
+        return None

@@ -106,6 +106,13 @@ class EngineGuard:
             i += 1
         return f"{name}-{i}"
 
+    def arm_faults(self, plan: FaultPlan) -> None:
+        """Replace the fault plan (tests and staging; logs loudly when non-empty)."""
+        if plan:
+            log.warning("KVGUARD FAULT INJECTION ARMED on %s: %s", self.engine,
+                        ", ".join(plan.enabled))
+        self.faults = plan
+
     # ------------------------------------------------------------ containment
     @contextmanager
     def contain(self, hook: str) -> Iterator[None]:

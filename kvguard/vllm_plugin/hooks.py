@@ -78,7 +78,6 @@ def install_hooks(g: EngineGuard) -> None:
     kvm = g.kv_cache_manager
     ledger = g.ledger
     errors = g.errors
-    faults = g.faults
 
     def claim(rid: RequestId) -> None:
         ledger.claim(rid, request_block_ids(kvm, rid))
@@ -162,11 +161,11 @@ def install_hooks(g: EngineGuard) -> None:
                 rid = RequestId(request.request_id)
                 claim(rid)
                 ledger.on_request_finished(rid, finish_reason_of(request), time.time())
-                if faults and faults.fire(Fault.REFCOUNT_BUMP):
+                if g.faults and g.faults.fire(Fault.REFCOUNT_BUMP):
                     tail = request_block_ids(kvm, rid)
                     if tail:
                         pool.blocks[tail[-1]].ref_cnt += 1  # behind every hook, on purpose
-                if faults and faults.fire(Fault.HOOK_ERROR):
+                if g.faults and g.faults.fire(Fault.HOOK_ERROR):
                     raise RuntimeError("injected kvguard hook failure (KVGUARD_FAULTS=hook_error)")
             except Exception as exc:
                 errors.record("finish", exc)
@@ -196,11 +195,11 @@ def install_hooks(g: EngineGuard) -> None:
                 rid = RequestId(request.request_id)
                 claim(rid)
                 n_deferred = len(getattr(sched, "deferred_frees", ()))
-                if faults and finish_reason_of(request) is FinishReason.ABORTED \
+                if g.faults and finish_reason_of(request) is FinishReason.ABORTED \
                         and request_block_ids(kvm, rid):
-                    if faults.fire(Fault.SKIP_FREE_ON_ABORT):
+                    if g.faults.fire(Fault.SKIP_FREE_ON_ABORT):
                         skip = True
-                    elif faults.fire(Fault.DOUBLE_FREE_ON_ABORT):
+                    elif g.faults.fire(Fault.DOUBLE_FREE_ON_ABORT):
                         double = [pool.blocks[b] for b in request_block_ids(kvm, rid)]
             except Exception as exc:
                 errors.record("free_request_blocks", exc)

@@ -1,0 +1,1 @@
+"""The ``kvguard`` command line."""

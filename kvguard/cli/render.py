@@ -1,0 +1,59 @@
+"""Render checkpoint reports as plain text for people (``kvguard report``, ``kvguard demo``)."""
+
+from __future__ import annotations
+
+import time
+
+from kvguard.core.report import CheckpointReport
+from kvguard.transport.state import EngineState
+
+_BAR = 30
+
+
+def _bar(n: int, total: int) -> str:
+    if total <= 0:
+        return ""
+    return "#" * max(1 if n else 0, round(_BAR * n / total))
+
+
+def render_report(r: CheckpointReport) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.taken_at))
+    out = [f"engine {r.engine}  checkpoint #{r.checkpoint_id}  {when}  "
+           f"verdict: {r.verdict.value.upper()}"]
+    if r.skip_reason:
+        out.append(f"  not drained: {r.skip_reason}")
+    if r.pool is not None:
+        p = r.pool
+        out.append(f"  pool: {p.capacity} usable blocks (engine reports {p.num_free_reported} "
+                   "free incl. cached)")
+        for name, n in (("free", p.free), ("cached", p.cached), ("active", p.active),
+                        ("held_by_finished", p.held_by_finished), ("orphaned", p.orphaned)):
+            out.append(f"    {name:<17}{n:>7}  {_bar(n, p.capacity)}")
+    if r.leaks:
+        out.append("  leaks:")
+        out.append(f"    {'REQUEST':<28}{'CAUSE':<18}{'PATH':<14}{'REASON':<10}"
+                   f"{'BLOCKS':>7}  HELD FOR")
+        for leak in r.leaks:
+            who = leak.client_request_id or leak.request_id or "-"
+            held = f"{leak.held_for_seconds:.1f} s" if leak.held_for_seconds is not None else "-"
+            reason = leak.finish_reason.value if leak.finish_reason else "-"
+            out.append(f"    {who[:27]:<28}{leak.cause.value:<18}{leak.path.value:<14}"
+                       f"{reason:<10}{leak.blocks:>7}  {held}")
+    out.append("")
+    out.extend("  " + line for line in r.explanation.splitlines())
+    return "\n".join(out)
+
+
+def render_state(s: EngineState) -> str:
+    head = (f"== {s.engine} (pid {s.pid}, kvguard {s.kvguard_version}, vLLM {s.vllm_version}) "
+            f"checkpoints: {dict(sorted(s.checkpoints_total.items())) or 'none yet'}, "
+            f"hook errors: {s.hook_errors_total}")
+    lines = [head]
+    if s.faults_enabled:
+        lines.append(f"   FAULT INJECTION ENABLED: {', '.join(s.faults_enabled)}")
+    if s.hooks_missing:
+        lines.append(f"   hooks missing in this vLLM: {', '.join(s.hooks_missing)}")
+    r = s.latest_report
+    lines.append(render_report(r) if r is not None else
+                 "   no checkpoint yet: the engine has not drained since it started")
+    return "\n".join(lines)

@@ -37,7 +37,7 @@ class FaultPlan:
         self._budget: dict[Fault, int] = dict(budget or {})
 
     @classmethod
-    def parse(cls, spec: str, *, allowed: bool) -> FaultPlan:
+    def parse(cls, spec: str, *, allowed: bool, quiet: bool = False) -> FaultPlan:
         spec = spec.strip()
         if not spec:
             return cls()
@@ -58,8 +58,9 @@ class FaultPlan:
             except ValueError:
                 raise ConfigError("KVGUARD_FAULTS", part, "name=count with an integer count") \
                     from None
-        log.warning("KVGUARD FAULT INJECTION ENABLED (%s): this engine will leak or corrupt KV "
-                    "blocks on purpose. Never use this in production.", spec)
+        if not quiet:
+            log.warning("KVGUARD FAULT INJECTION ENABLED (%s): this engine will leak or corrupt KV "
+                        "blocks on purpose. Never use this in production.", spec)
         return cls(budget)
 
     @property

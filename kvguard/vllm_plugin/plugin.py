@@ -32,7 +32,7 @@ def register() -> None:
         if not config.enabled:
             log.info("kvguard disabled (KVGUARD_ENABLED=0)")
             return
-        FaultPlan.parse(config.faults, allowed=config.allow_faults)  # fail early, loudly
+        FaultPlan.parse(config.faults, allowed=config.allow_faults, quiet=True)  # fail early
         from vllm.v1.core.sched.scheduler import Scheduler
     except Exception as exc:
         log.error("kvguard is OFF for this process: %s", exc)

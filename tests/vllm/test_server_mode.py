@@ -1,0 +1,46 @@
+"""kvguard inside the real vLLM OpenAI server, where EngineCore is a separate process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvguard.core.types import Verdict
+from kvguard.demo.engine import EngineSpec, ServerProcess
+from kvguard.demo.run import wait_for_checkpoint
+from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.demo.workload import run_workload
+
+
+def test_server_with_plugin_publishes_a_report_and_disconnects_leave_no_leak(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    spec = EngineSpec(model_dir=make_tiny_model(tmp_path / "model"), max_num_seqs=8)
+    env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
+           "KVGUARD_ENGINE_NAME": "demo"}
+    with ServerProcess(spec, log_path=tmp_path / "server.log", env=env) as server:
+        result = run_workload(server.base_url, spec.served_model_name,
+                              shared_prefix_streams=6, disconnecting_streams=4)
+        assert result.failed == 0 and result.completed >= 6
+        state = wait_for_checkpoint(run_dir, after=time.time() - 5.0)
+        # The report came out of the EngineCore process, not this one.
+        assert state.pid != server.pid
+    report = state.latest_report
+    assert report is not None
+    assert report.verdict in (Verdict.CLEAN, Verdict.SATURATED), report.explanation
+    assert report.leaks == [] and report.pool is not None
+    assert report.pool.active == report.pool.held_by_finished == report.pool.orphaned == 0
+    assert state.events_total["admit"] == 10 and state.hook_errors_total == 0
+
+    out = subprocess.run([sys.executable, "-m", "kvguard.cli.main", "report", "--json",
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, check=True)
+    payload = json.loads(out.stdout)
+    assert [p["engine"] for p in payload] == ["demo"]
+    assert payload[0]["verdict"] == report.verdict.value
+    text = subprocess.run([sys.executable, "-m", "kvguard.cli.main", "report",
+                           "--run-dir", str(run_dir)], capture_output=True, text=True, check=True)
+    assert f"verdict: {report.verdict.value.upper()}" in text.stdout

@@ -1,1 +1,55 @@
-"""kvguard: tells a KV-cache block leak from a saturated prefix cache, with evidence."""
+"""kvguard: tells a KV-cache block leak from a saturated prefix cache, with evidence.
+
+The public API is exactly ``__all__``; everything else is internal and may change.
+The vLLM integration loads itself through the ``vllm.general_plugins`` entry
+point (``VLLM_PLUGINS=kvguard``) and needs no import from user code.
+"""
+
+from kvguard.config import KvguardConfig
+from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.reconciler import ReconcileOptions, reconcile
+from kvguard.core.report import CheckpointReport, LeakReport, PoolReport
+from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.types import (
+    BlockState,
+    Evidence,
+    FinishReason,
+    LeakCause,
+    LeakPath,
+    Verdict,
+)
+from kvguard.errors import (
+    ConfigError,
+    CorruptStateError,
+    KvguardError,
+    ProtocolError,
+    TransportError,
+)
+from kvguard.transport.reader import read_run_dir
+from kvguard.transport.state import EngineState
+from kvguard.version import __version__
+
+__all__ = [
+    "BlockState",
+    "CheckpointReport",
+    "ConfigError",
+    "CorruptStateError",
+    "EngineState",
+    "Evidence",
+    "FinishReason",
+    "KvguardConfig",
+    "KvguardError",
+    "LeakCause",
+    "LeakPath",
+    "LeakReport",
+    "OwnershipLedger",
+    "PoolReport",
+    "PoolSnapshot",
+    "ProtocolError",
+    "ReconcileOptions",
+    "TransportError",
+    "Verdict",
+    "__version__",
+    "read_run_dir",
+    "reconcile",
+]

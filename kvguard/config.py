@@ -67,7 +67,8 @@ class KvguardConfig:
 
     def _validate(self) -> None:
         if not 0.0 < self.saturation_ratio <= 1.0:
-            raise ConfigError("KVGUARD_SATURATION_RATIO", self.saturation_ratio, "a ratio in (0, 1]")
+            raise ConfigError("KVGUARD_SATURATION_RATIO", self.saturation_ratio,
+                              "a ratio in (0, 1]")
         for name in ("delayed_free_bound_seconds", "checkpoint_min_interval_seconds",
                      "publish_interval_seconds"):
             if getattr(self, name) < 0:

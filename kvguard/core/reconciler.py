@@ -230,7 +230,8 @@ def _classify(
                        "that no request claimed")
     elif double_free is not None:
         out.add(LeakCause.REFCOUNT_DRIFT, b, request_id=double_free.request_id,
-                path=double_free.path, detail=f"ref_cnt {rc} after a release of an unheld reference")
+                path=double_free.path,
+                detail=f"ref_cnt {rc} after a release of an unheld reference")
     else:
         out.add(LeakCause.ORPHAN, b, path=LeakPath.UNKNOWN,
                 detail=f"ref_cnt {rc} and no known owner: a reference was taken outside "

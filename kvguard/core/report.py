@@ -19,7 +19,10 @@ class _Model(BaseModel):
 
 
 class PoolReport(_Model):
-    """Usable blocks by state; ``free + cached + active + held_by_finished + orphaned == capacity``."""
+    """Usable blocks by state.
+
+    Invariant: ``free + cached + active + held_by_finished + orphaned == capacity``.
+    """
 
     capacity: int = Field(ge=0)
     free: int = Field(ge=0)

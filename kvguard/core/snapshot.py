@@ -31,7 +31,8 @@ class PoolSnapshot:
 
     def __post_init__(self) -> None:
         n = len(self.ref_counts)
-        if len(self.cached) != n or (self.in_free_queue is not None and len(self.in_free_queue) != n):
+        q = self.in_free_queue
+        if len(self.cached) != n or (q is not None and len(q) != n):
             raise CorruptStateError(
                 f"pool snapshot arrays disagree in length: ref_counts={n}, "
                 f"cached={len(self.cached)}, "

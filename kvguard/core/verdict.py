@@ -51,7 +51,8 @@ def decide(
     s = rec.states
     if s.capacity and s.saturation_ratio >= saturation_ratio:
         return Verdict.SATURATED, (
-            f"The prefix cache is saturated: {s.counts[BlockState.CACHED]} of {s.capacity} blocks hold "
+            f"The prefix cache is saturated: {s.counts[BlockState.CACHED]} of {s.capacity} "
+            "blocks hold "
             f"evictable cached prefixes ({s.saturation_ratio:.0%}) and no request holds a block "
             "it should not. This is the cache working as designed, not a leak: cached blocks "
             "are reclaimed on demand. Nothing to do; watch kvguard_leaked_blocks instead of "
@@ -59,7 +60,8 @@ def decide(
         )
     return Verdict.CLEAN, (
         f"The pool is clean: all {s.capacity} usable blocks are free "
-        f"({s.counts[BlockState.FREE]}) or cached ({s.counts[BlockState.CACHED]}), every reference is "
+        f"({s.counts[BlockState.FREE]}) or cached ({s.counts[BlockState.CACHED]}), "
+        "every reference is "
         "accounted for. Nothing to do."
     )
 

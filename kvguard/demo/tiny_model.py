@@ -33,7 +33,7 @@ SPECIAL_TOKENS: Final = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
 
 DRAFT_NAME: Final = "kvguard-tiny-draft"
 
-_WORDS: Final = (
+_WORD_TEXT: Final = (
     ". , ? ! ' the a an of to and in is it that was for on are with as be at by "
     "this have from or one had not but what all were when we there can your which "
     "their said if do will each about how up out them then she many some so these "
@@ -45,12 +45,15 @@ _WORDS: Final = (
     "why things help put years different away again off went old number hello world "
     "quick brown fox jumps lazy dog cache block memory leak pool request server "
     "engine token model prompt answer question story tell once upon"
-).split()
+)
+WORDS: Final = tuple(_WORD_TEXT.split())
+"""In-vocabulary words (ids 4 ..), in id order: prompts made of them never hit ``<unk>``."""
+_WORDS = WORDS  # the name kvguard.demo.workload imports; drop once it uses WORDS
 
 
 def _vocab() -> dict[str, int]:
     """Word -> id for exactly ``VOCAB_SIZE`` entries: specials, common words, then fillers."""
-    words = [*SPECIAL_TOKENS, *_WORDS]
+    words = [*SPECIAL_TOKENS, *WORDS]
     words += [f"w{i}" for i in range(VOCAB_SIZE - len(words))]
     return {word: token_id for token_id, word in enumerate(words)}
 
@@ -96,7 +99,8 @@ def _tokenizer_files() -> dict[str, bytes]:
 
     tokenizer = Tokenizer(WordLevel(_vocab(), unk_token=UNK_TOKEN))
     tokenizer.pre_tokenizer = Whitespace()
-    fast = PreTrainedTokenizerFast(
+    # transformers 5 leaves this constructor unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         unk_token=UNK_TOKEN,
         bos_token=BOS_TOKEN,

@@ -15,7 +15,7 @@ STATE_SCHEMA_VERSION = 1
 
 
 class EngineState(BaseModel):
-    """One engine's state as published. Written by the engine, read by ``kvguard report``/sidecar."""
+    """One engine's state as published: written by the engine, read by readers."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 

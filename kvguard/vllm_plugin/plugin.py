@@ -46,7 +46,7 @@ def register() -> None:
         original_init(self, *args, **kwargs)
         attach(self, config)
 
-    Scheduler.__init__ = __init__
+    Scheduler.__init__ = __init__  # type: ignore[method-assign]
     setattr(Scheduler, _PATCHED, True)
 
 

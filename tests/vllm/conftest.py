@@ -12,12 +12,12 @@ import pytest
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-import vllm  # noqa: E402  (a missing engine must fail here, loudly, not skip)
-from vllm import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
+import vllm
+from vllm import EngineArgs, LLMEngine, SamplingParams
+from vllm.inputs import TokensPrompt
 
-from kvguard.demo.tiny_model import make_tiny_model  # noqa: E402
-from kvguard.vllm_plugin.guard import EngineGuard, guard_of  # noqa: E402
+from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.vllm_plugin.guard import EngineGuard, guard_of
 
 assert vllm.__version__, "vLLM must be importable for the engine tests"
 

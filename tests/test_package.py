@@ -1,0 +1,38 @@
+"""The package as users and CI see it: public API, type and lint cleanliness, core purity."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import kvguard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_public_api_is_exactly_all() -> None:
+    public = {n for n in vars(kvguard) if not n.startswith("_")} - {
+        "config", "core", "errors", "transport", "version", "vllm_plugin", "cli", "demo"}
+    assert public | {"__version__"} == set(kvguard.__all__)
+    for name in kvguard.__all__:
+        assert getattr(kvguard, name) is not None
+
+
+def test_core_imports_neither_vllm_nor_torch() -> None:
+    code = ("import sys, kvguard, kvguard.core.reconciler, kvguard.core.checkpoint; "
+            "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; "
+            "sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_mypy_strict_is_clean() -> None:
+    r = subprocess.run([sys.executable, "-m", "mypy", "kvguard"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ruff_is_clean() -> None:
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "kvguard", "tests"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -48,7 +48,6 @@ _WORD_TEXT: Final = (
 )
 WORDS: Final = tuple(_WORD_TEXT.split())
 """In-vocabulary words (ids 4 ..), in id order: prompts made of them never hit ``<unk>``."""
-_WORDS = WORDS  # the name kvguard.demo.workload imports; drop once it uses WORDS
 
 
 def _vocab() -> dict[str, int]:

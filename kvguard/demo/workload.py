@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvguard.demo.tiny_model import _WORDS
+from kvguard.demo.tiny_model import WORDS
 
 SHARED_PREFIX_WORDS = 70
 """Words shared by every prefix-phase prompt: two full 32-token KV blocks and then some."""
@@ -28,7 +28,7 @@ class WorkloadResult:
 
 
 def _words(seed: int, n: int) -> str:
-    return " ".join(_WORDS[(seed * 131 + i * 17) % len(_WORDS)] for i in range(n))
+    return " ".join(WORDS[(seed * 131 + i * 17) % len(WORDS)] for i in range(n))
 
 
 def hang_up_completion(base_url: str, model: str, prompt: str, max_tokens: int,

@@ -218,7 +218,7 @@ def _next_seq() -> int:
         return _last_seq
 
 
-class DelayedFreeConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class DelayedFreeConnector(KVConnectorBase_V1, SupportsHMA):
     """Delays the free of every finished request's blocks by N steps, or forever.
 
     One instance per role: the ``SCHEDULER`` instance (in EngineCore) decides

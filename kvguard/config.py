@@ -50,6 +50,11 @@ class KvguardConfig:
     """Second key for ``faults``: both must be set, or faults stay off."""
     control_token: str | None = None
     """Token the sidecar requires on control endpoints (``KVGUARD_CONTROL_TOKEN``)."""
+    sidecar_host: str = "127.0.0.1"
+    """Sidecar bind address. Loopback by default; a pod sets its own on purpose."""
+    sidecar_port: int = 9400
+    sidecar_uds: str | None = None
+    """Serve on this Unix socket (mode 0600) instead of TCP."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> KvguardConfig:

@@ -1,4 +1,4 @@
-"""``kvguard`` command line: ``report`` and ``demo``.
+"""``kvguard`` command line: ``report``, ``sidecar`` and ``demo``.
 
 Every option also reads a ``KVGUARD_*`` environment variable (see README).
 """
@@ -43,6 +43,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     inject_fault=not args.no_fault)
 
 
+def _cmd_sidecar(args: argparse.Namespace) -> int:
+    from kvguard.sidecar.server import serve
+
+    cfg = KvguardConfig.from_env()
+    serve(host=args.host or cfg.sidecar_host, port=args.port or cfg.sidecar_port,
+          run_dir=Path(args.run_dir) if args.run_dir else None,
+          uds=args.uds or cfg.sidecar_uds, config=cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvguard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -50,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     r.add_argument("--run-dir", help="where engines publish state (KVGUARD_RUN_DIR)")
     r.set_defaults(func=_cmd_report)
+    sc = sub.add_parser("sidecar", help="serve reports and Prometheus metrics over HTTP")
+    sc.add_argument("--host", help="bind address (KVGUARD_SIDECAR_HOST, default 127.0.0.1)")
+    sc.add_argument("--port", type=int, help="TCP port (KVGUARD_SIDECAR_PORT, default 9400)")
+    sc.add_argument("--uds", help="serve on this Unix socket instead (KVGUARD_SIDECAR_UDS)")
+    sc.add_argument("--run-dir", help="where engines publish state (KVGUARD_RUN_DIR)")
+    sc.set_defaults(func=_cmd_sidecar)
     d = sub.add_parser("demo", help="tiny real vLLM server + kvguard + a faulty workload")
     d.add_argument("--workdir", help="keep the model, logs and state here (default: temp dir)")
     d.add_argument("--no-fault", action="store_true", help="run the workload without the "

@@ -6,6 +6,10 @@ the newest state atomically (temp file + ``os.replace``) to
 ``<run_dir>/<engine>.json`` with mode 0600 in a 0700 directory. If the writer
 is slower than the engine, intermediate states are dropped (counted in
 ``drops``): only the newest state matters because each one is complete.
+
+An idle engine calls no hook, so the writer itself rewrites the last state
+with a fresh ``updated_at`` every ``heartbeat_seconds``: readers tell an idle
+engine (fresh heartbeat) from a dead one (stale file).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 from kvguard.transport.state import EngineState
@@ -27,8 +32,10 @@ def state_path(run_dir: Path, engine: str) -> Path:
 class StatePublisher:
     """Writes the newest ``EngineState`` for one engine. Thread-safe ``offer``; never blocks."""
 
-    def __init__(self, run_dir: Path, engine: str) -> None:
+    def __init__(self, run_dir: Path, engine: str, *, heartbeat_seconds: float = 5.0) -> None:
         self.path = state_path(run_dir, engine)
+        self.heartbeat_seconds = heartbeat_seconds
+        self._last: EngineState | None = None
         self._run_dir = run_dir
         self._lock = threading.Lock()
         self._pending: EngineState | None = None
@@ -51,12 +58,12 @@ class StatePublisher:
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the newest offered state is on disk (tests and shutdown only)."""
-        deadline = threading.Event()
-        for _ in range(int(timeout / 0.01)):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             with self._lock:
                 if self._pending is None and not self._writing:
                     return True
-            deadline.wait(0.01)
+            time.sleep(0.01)
         return False
 
     def close(self) -> None:
@@ -67,13 +74,16 @@ class StatePublisher:
 
     def _run(self) -> None:
         while not self._stop:
-            self._wake.wait()
+            woke = self._wake.wait(self.heartbeat_seconds)
             self._wake.clear()
             with self._lock:
                 state, self._pending = self._pending, None
+                if state is None and not woke and self._last is not None:
+                    state = self._last.model_copy(update={"updated_at": time.time()})
                 self._writing = state is not None
             if state is None:
                 continue
+            self._last = state
             try:
                 self._write(state)
                 self.writes += 1

@@ -65,6 +65,16 @@ worker-side instance in the next step's connector metadata
 instance counts its steps in ``get_finished`` and reports completions. The two
 instances share no state, except the process-global release sequence.
 
+Several engines in one process: vLLM keeps the worker-side connector in a
+process-global (``kv_transfer_state._KV_CONNECTOR_AGENT``), built by the first
+engine whose worker starts and reused by every later in-process engine. So
+everything the worker side needs travels in the metadata (the fate of each
+transfer, ``release_file``), and the worker keeps its pending transfers per
+engine (``kv_transfer_config.engine_id``, unique per engine): a step of one
+engine never counts for, nor reports, another engine's transfers (a report
+to the wrong scheduler would fail its ``req_id in self.requests`` assertion).
+The worker's own settings are not used.
+
 Invariants:
 
 * Each delayed request is announced to the worker exactly once (the
@@ -76,6 +86,9 @@ Invariants:
   announced nor reported.
 * Worker state is bounded by the number of requests whose transfer is
   pending (at most the number of finished requests still holding blocks).
+* A worker step counts, and reports, only the transfers of the engine whose
+  metadata is bound in that step; a step with no (or foreign) metadata
+  counts for nothing.
 """
 
 from __future__ import annotations
@@ -186,9 +199,16 @@ class DelayedTransfer:
 
 @dataclass(slots=True)
 class DelayedFreeConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, once per engine step: transfers started since the last step."""
+    """Scheduler -> worker, once per engine step: transfers started since the last step.
 
+    ``engine_id`` names the engine whose step this is (see "Several engines in
+    one process" in the module docstring); ``release_file`` is that engine's
+    setting.
+    """
+
+    engine_id: str
     new_transfers: list[DelayedTransfer] = field(default_factory=list)
+    release_file: str | None = None
 
 
 @dataclass(slots=True)
@@ -241,9 +261,9 @@ class DelayedFreeConnector(KVConnectorBase_V1, SupportsHMA):
         self._to_announce: list[DelayedTransfer] = []
         self._num_finished_with_blocks = 0
         self._in_flight: set[str] = set()
-        # Worker side.
-        self._pending: dict[str, _PendingTransfer] = {}
-        self._worker_steps = 0
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        # Worker side: engine_id -> request_id -> pending transfer.
+        self._pending: dict[str, dict[str, _PendingTransfer]] = {}
 
     # ------------------------------------------------------------------
     # Test controls (process-local; see the module docstring)
@@ -270,8 +290,8 @@ class DelayedFreeConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def pending_request_ids(self) -> frozenset[str]:
-        """Worker side: announced transfers not yet reported."""
-        return frozenset(self._pending)
+        """Worker side: announced transfers not yet reported, of every engine served."""
+        return frozenset(rid for per_engine in self._pending.values() for rid in per_engine)
 
     # ------------------------------------------------------------------
     # Scheduler side
@@ -291,7 +311,11 @@ class DelayedFreeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Hand the transfers started since the last step to the worker, exactly once."""
-        meta = DelayedFreeConnectorMetadata(new_transfers=self._to_announce)
+        meta = DelayedFreeConnectorMetadata(
+            engine_id=self._engine_id,
+            new_transfers=self._to_announce,
+            release_file=self.settings.release_file,
+        )
         self._to_announce = []
         return meta
 
@@ -363,37 +387,42 @@ class DelayedFreeConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Count one worker step; report transfers that are due or released.
+        """Count one step of the engine whose metadata is bound; report what is due.
 
         Called once per engine step by the model runner while this step's
         metadata is bound. New transfers are registered first, so a transfer
         with ``complete_after_steps == 1`` is reported in the very step that
-        announced it.
+        announced it. Only the bound engine's transfers are counted/reported.
         """
-        self._worker_steps += 1
-        if self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, DelayedFreeConnectorMetadata):
-                for transfer in meta.new_transfers:
-                    if transfer.request_id not in self._pending:
-                        self._pending[transfer.request_id] = _PendingTransfer(
-                            transfer, transfer.complete_after_steps
-                        )
-        if not self._pending:
+        if not self.has_connector_metadata():
+            return None, None
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, DelayedFreeConnectorMetadata):
+            return None, None
+        pending = self._pending.get(meta.engine_id)
+        if pending is None:
+            if not meta.new_transfers:
+                return None, None
+            pending = self._pending[meta.engine_id] = {}
+        for transfer in meta.new_transfers:
+            if transfer.request_id not in pending:
+                pending[transfer.request_id] = _PendingTransfer(
+                    transfer, transfer.complete_after_steps
+                )
+        if not pending:
+            del self._pending[meta.engine_id]
             return None, None
         released_below = _released_below
-        file_release = self.settings.release_file is not None and os.path.exists(
-            self.settings.release_file
-        )
+        file_release = meta.release_file is not None and os.path.exists(meta.release_file)
         done: set[str] = set()
-        for req_id, pending in self._pending.items():
-            if pending.steps_left is None:
-                if file_release or pending.transfer.seq < released_below:
+        for req_id, item in pending.items():
+            if item.steps_left is None:
+                if file_release or item.transfer.seq < released_below:
                     done.add(req_id)
                 continue
-            pending.steps_left -= 1
-            if pending.steps_left <= 0:
+            item.steps_left -= 1
+            if item.steps_left <= 0:
                 done.add(req_id)
         for req_id in done:
-            del self._pending[req_id]
+            del pending[req_id]
         return (done or None), None

@@ -26,6 +26,7 @@ from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.types import RequestId
+from kvguard.sidecar.control import request_mtime_ns
 from kvguard.transport.publisher import StatePublisher
 from kvguard.transport.state import EngineState
 from kvguard.version import __version__
@@ -92,6 +93,7 @@ class EngineGuard:
         """The request whose blocks are being freed right now (set by lifecycle hooks)."""
         self.drain_pending = False
         self._checkpoint_requested = False
+        self._request_seen_ns = request_mtime_ns(config.run_dir, self.engine)
         self._next_publish = 0.0
         self._next_checkpoint_id = 0
         self.publisher = StatePublisher(config.run_dir, self.engine)
@@ -133,7 +135,15 @@ class EngineGuard:
         now = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + self.config.publish_interval_seconds
+            self._poll_checkpoint_request()
             self.publish()
+
+    def _poll_checkpoint_request(self) -> None:
+        """One ``stat`` per publish interval: did the sidecar ask for a checkpoint?"""
+        mtime = request_mtime_ns(self.config.run_dir, self.engine)
+        if mtime > self._request_seen_ns:
+            self._request_seen_ns = mtime
+            self._checkpoint_requested = True
 
     def maybe_checkpoint(self) -> CheckpointReport | None:
         now = time.time()

@@ -1,0 +1,1 @@
+"""The sidecar: reads engine state files, keeps history, serves HTTP and Prometheus metrics."""

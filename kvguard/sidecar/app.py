@@ -1,0 +1,125 @@
+"""The sidecar's FastAPI application (design.md section 7, "Sidecar HTTP")."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query
+from fastapi.responses import Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvguard.sidecar.control import write_request
+from kvguard.sidecar.metrics import KvguardCollector
+from kvguard.sidecar.models import (
+    CheckpointRequestResponse,
+    CheckpointsResponse,
+    EngineReport,
+    ErrorResponse,
+    Health,
+    ReportsResponse,
+    TrendReport,
+)
+from kvguard.sidecar.store import EngineStore
+from kvguard.version import __version__
+
+_ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,128}$"
+
+
+def create_app(store: EngineStore, *, control_token: str | None = None,
+               poll_interval_seconds: float = 0.5) -> FastAPI:
+    """Build the app. ``store`` is refreshed every ``poll_interval_seconds`` while it runs."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def poll() -> None:
+            while True:
+                await asyncio.to_thread(store.refresh)
+                await asyncio.sleep(poll_interval_seconds)
+
+        task = asyncio.create_task(poll())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="kvguard sidecar", version=__version__, lifespan=lifespan,
+                  description="KV-cache block ownership reports and metrics for vLLM engines.")
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(KvguardCollector(store))
+
+    def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
+        if control_token is None:
+            return
+        if authorization is None:
+            raise HTTPException(401, "this endpoint needs 'Authorization: Bearer <token>' "
+                                     "(the sidecar has KVGUARD_CONTROL_TOKEN set)")
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(),
+                                                                 control_token.encode()):
+            raise HTTPException(403, "wrong control token")
+
+    @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
+             responses={200: {"content": {"text/plain": {}}}})
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz", response_model=Health)
+    def healthz() -> Health:
+        return Health(status="ok", engines=len(store.engines),
+                      engines_up=sum(store.is_up(v) for v in store.engines.values()),
+                      read_errors=dict(store.read_errors))
+
+    @app.get("/v1/report", response_model=ReportsResponse,
+             summary="Latest checkpoint report and trend per engine")
+    def report() -> ReportsResponse:
+        out = []
+        for name, view in sorted(store.engines.items()):
+            t = view.trend
+            latest = next((r for r in reversed(view.history) if r.epoch == view.state.epoch),
+                          None)
+            out.append(EngineReport(
+                engine=name, epoch=view.state.epoch, up=store.is_up(view),
+                hook_errors_total=view.state.hook_errors_total,
+                faults_enabled=list(view.state.faults_enabled), latest=latest,
+                trend=TrendReport(verdict=t.verdict, checkpoints=t.checkpoints,
+                                  holding_series=list(t.holding_series),
+                                  explanation=t.explanation)))
+        return ReportsResponse(engines=out)
+
+    @app.get("/v1/checkpoints", response_model=CheckpointsResponse,
+             responses={404: {"model": ErrorResponse}},
+             summary="Checkpoint history, oldest first")
+    def checkpoints(
+        engine: Annotated[str | None, Query(pattern=_ENGINE_NAME)] = None,
+        limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+    ) -> CheckpointsResponse:
+        if engine is not None and engine not in store.engines:
+            raise HTTPException(404, f"no engine named {engine!r}; known: "
+                                     f"{sorted(store.engines) or 'none yet'}")
+        return CheckpointsResponse(checkpoints=store.checkpoints(engine, limit))
+
+    @app.post("/v1/checkpoints", response_model=CheckpointRequestResponse, status_code=202,
+              dependencies=[Depends(require_token)],
+              responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse},
+                         404: {"model": ErrorResponse}},
+              summary="Ask engines for a checkpoint at their next drained moment")
+    def request_checkpoint(
+        engine: Annotated[str | None, Query(pattern=_ENGINE_NAME)] = None,
+    ) -> CheckpointRequestResponse:
+        if engine is not None and engine not in store.engines:
+            raise HTTPException(404, f"no engine named {engine!r}; known: "
+                                     f"{sorted(store.engines) or 'none yet'}")
+        names = [engine] if engine else sorted(store.engines)
+        for name in names:
+            write_request(store.run_dir, name)
+        return CheckpointRequestResponse(
+            requested=names,
+            note="each engine checkpoints at its next drained moment, or reports 'skipped' "
+                 "with the reason; an idle engine's latest checkpoint is already current")
+
+    return app

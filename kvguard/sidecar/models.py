@@ -1,0 +1,53 @@
+"""Response models of the sidecar's HTTP API (strict; the OpenAPI schema is built from them)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvguard.core.report import CheckpointReport
+from kvguard.core.trend import TrendVerdict
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Health(_Model):
+    status: str = Field(description="Always 'ok' while the sidecar serves.")
+    engines: int = Field(description="Engines whose state the sidecar has read.")
+    engines_up: int
+    read_errors: dict[str, str] = Field(description="State file -> why it was rejected.")
+
+
+class TrendReport(_Model):
+    verdict: TrendVerdict
+    checkpoints: int
+    holding_series: list[int]
+    explanation: str
+
+
+class EngineReport(_Model):
+    engine: str
+    epoch: str
+    up: bool
+    hook_errors_total: int
+    faults_enabled: list[str]
+    latest: CheckpointReport | None
+    trend: TrendReport
+
+
+class ReportsResponse(_Model):
+    engines: list[EngineReport]
+
+
+class CheckpointsResponse(_Model):
+    checkpoints: list[CheckpointReport] = Field(description="Oldest first.")
+
+
+class CheckpointRequestResponse(_Model):
+    requested: list[str] = Field(description="Engines asked to checkpoint at their next drain.")
+    note: str
+
+
+class ErrorResponse(_Model):
+    detail: str

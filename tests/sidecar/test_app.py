@@ -1,0 +1,148 @@
+"""The sidecar's HTTP API and metrics, on engine state files written as an engine would."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from factories import report, state, write
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvguard.core.trend import TrendVerdict
+from kvguard.sidecar.app import create_app
+from kvguard.sidecar.control import request_path
+from kvguard.sidecar.store import EngineStore
+
+CONTRACT = {
+    "kvguard_pool_capacity_blocks": "gauge", "kvguard_pool_blocks": "gauge",
+    "kvguard_cache_saturation_ratio": "gauge",
+    "kvguard_finished_requests_holding_blocks": "gauge", "kvguard_leaked_blocks": "gauge",
+    "kvguard_checkpoints": "counter", "kvguard_last_checkpoint_timestamp_seconds": "gauge",
+    "kvguard_request_events": "counter", "kvguard_hook_errors": "counter",
+}
+
+
+def _client(run_dir: Path, token: str | None = None) -> TestClient:
+    store = EngineStore(run_dir)
+    store.refresh()
+    return TestClient(create_app(store, control_token=token, poll_interval_seconds=0.05))
+
+
+def _metrics(c: TestClient) -> dict[str, list[tuple[dict[str, str], float, str]]]:
+    out: dict[str, list[tuple[dict[str, str], float, str]]] = {}
+    for fam in text_string_to_metric_families(c.get("/metrics").text):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value, fam.type))
+    return out
+
+
+def test_sidecar_started_before_any_engine_serves_empty_answers(tmp_path: Path) -> None:
+    with _client(tmp_path / "not-yet") as c:
+        h = c.get("/healthz").json()
+        assert h == {"status": "ok", "engines": 0, "engines_up": 0, "read_errors": {}}
+        assert c.get("/v1/report").json() == {"engines": []}
+        assert c.get("/v1/checkpoints").json() == {"checkpoints": []}
+        assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_follow_the_contract_with_types_and_no_request_labels(tmp_path: Path) -> None:
+    write(tmp_path, state([report(1), report(2, holding=2)]))
+    with _client(tmp_path) as c:
+        m = _metrics(c)
+    for name, typ in CONTRACT.items():
+        sample = name + "_total" if typ == "counter" else name
+        assert sample in m, name
+        assert all(t == typ for _, _, t in m[sample])
+    states = {lbl["state"]: v for lbl, v, _ in m["kvguard_pool_blocks"]}
+    assert sum(states.values()) == 63 and states["held_by_finished"] == 4
+    leaked = {lbl["cause"]: v for lbl, v, _ in m["kvguard_leaked_blocks"]}
+    assert leaked == {"finished_request": 4.0, "orphan": 0.0, "refcount_drift": 0.0,
+                      "double_free": 0.0}
+    for samples in m.values():
+        for labels, _, _ in samples:
+            assert not {"request_id", "request", "client_request_id"} & labels.keys()
+
+
+def test_growing_holders_over_checkpoints_is_a_growing_leak(tmp_path: Path) -> None:
+    write(tmp_path, state([report(i, holding=h) for i, h in enumerate([0, 1, 2, 3], 1)]))
+    with _client(tmp_path) as c:
+        [eng] = c.get("/v1/report").json()["engines"]
+        assert eng["trend"]["verdict"] == TrendVerdict.LEAK_GROWING
+        assert eng["trend"]["holding_series"] == [0, 1, 2, 3]
+        assert _metrics(c)["kvguard_leak_trend"][0][1] == 1.0
+
+
+def test_stable_saturation_is_not_a_leak_trend(tmp_path: Path) -> None:
+    write(tmp_path, state([report(i, cached=c) for i, c in enumerate([20, 45, 60, 61, 61], 1)]))
+    with _client(tmp_path) as c:
+        [eng] = c.get("/v1/report").json()["engines"]
+        assert eng["trend"]["verdict"] == TrendVerdict.SATURATED
+        assert eng["latest"]["verdict"] == "saturated"
+        m = _metrics(c)
+        assert m["kvguard_leak_trend"][0][1] == 0.0
+        assert all(v == 0 for _, v, _ in m["kvguard_leaked_blocks"])
+
+
+def test_checkpoint_history_is_kept_across_rewrites_and_filtered(tmp_path: Path) -> None:
+    write(tmp_path, state([report(1), report(2)]))
+    write(tmp_path, state([report(9, engine="dp1")], engine="dp1"))
+    store = EngineStore(tmp_path, history=5)
+    store.refresh()
+    write(tmp_path, state([report(2), report(3)]))  # the engine keeps only its last N
+    os.utime(tmp_path / "dp0.json", ns=(1, 2 * 10**18))
+    store.refresh()
+    with TestClient(create_app(store)) as c:
+        ids = [r["checkpoint_id"] for r in
+               c.get("/v1/checkpoints", params={"engine": "dp0"}).json()["checkpoints"]]
+        assert ids == [1, 2, 3]
+        assert len(c.get("/v1/checkpoints").json()["checkpoints"]) == 4
+        r = c.get("/v1/checkpoints", params={"engine": "nope"})
+        assert r.status_code == 404 and "dp0" in r.json()["detail"]
+        assert c.get("/v1/checkpoints", params={"limit": 0}).status_code == 422
+        assert c.get("/v1/checkpoints", params={"engine": "a/b"}).status_code == 422
+
+
+def test_a_corrupt_state_file_is_reported_and_does_not_hide_the_others(tmp_path: Path) -> None:
+    write(tmp_path, state([report(1)]))
+    (tmp_path / "broken.json").write_text('{"schema_version": 1, "engine": ')
+    (tmp_path / "future.json").write_text('{"schema_version": 99}')
+    with _client(tmp_path) as c:
+        h = c.get("/healthz").json()
+        assert h["engines"] == 1
+        assert "not a valid kvguard state" in h["read_errors"]["broken.json"]
+        assert "same kvguard version" in h["read_errors"]["future.json"]
+        assert _metrics(c)["kvguard_sidecar_read_errors_total"][0][1] == 2.0
+
+
+@pytest.mark.parametrize("header,status", [(None, 401), ("Bearer wrong", 403),
+                                           ("Basic s3cret", 403), ("Bearer s3cret", 202)])
+def test_checkpoint_requests_need_the_control_token(tmp_path: Path, header: str | None,
+                                                    status: int) -> None:
+    write(tmp_path, state([report(1)]))
+    with _client(tmp_path, token="s3cret") as c:
+        headers = {"Authorization": header} if header else {}
+        r = c.post("/v1/checkpoints", headers=headers)
+        assert r.status_code == status, r.text
+        assert request_path(tmp_path, "dp0").exists() == (status == 202)
+        if status == 202:
+            assert r.json()["requested"] == ["dp0"]
+        else:
+            assert r.json()["detail"]
+
+
+def test_without_a_configured_token_checkpoint_requests_are_open_on_loopback(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, state([report(1)]))
+    with _client(tmp_path) as c:
+        assert c.post("/v1/checkpoints", params={"engine": "dp0"}).status_code == 202
+        assert c.post("/v1/checkpoints", params={"engine": "dp9"}).status_code == 404
+
+
+def test_stale_engine_state_is_reported_down(tmp_path: Path) -> None:
+    write(tmp_path, state([report(1)], updated_at=1.0))
+    with _client(tmp_path) as c:
+        assert c.get("/v1/report").json()["engines"][0]["up"] is False
+        assert _metrics(c)["kvguard_engine_up"][0][1] == 0.0

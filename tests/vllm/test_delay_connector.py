@@ -11,13 +11,16 @@ s+N-1`` and is freed by step ``s+N``. An abort between steps counts as a
 finish "at step s" with the next ``engine.step()`` being ``s+1``.
 
 Process-global state to know about: vLLM keeps the *worker-side* connector in
-a process-global (``vllm.distributed.kv_transfer.kv_transfer_state``). While
-this module's engine is alive, any other in-process engine in the same
-process would use this connector (or, without a ``kv_transfer_config``, fail
-its ``kv_connector_metadata is not None`` assertion). The fixture therefore
-refuses to start if a connector is already registered, and shuts its engine
-down at module end (which clears the global, and also tears down vLLM's
-process-wide distributed state: do not keep other engines alive across it).
+a process-global (``vllm.distributed.kv_transfer.kv_transfer_state``), built
+by the first engine with a connector and reused by every later in-process
+engine. While it is registered, an in-process engine *without* a
+``kv_transfer_config`` fails its first step
+(``assert scheduler_output.kv_connector_metadata is not None``). The
+connector scopes its worker state per engine, so engines that share it work.
+The fixture shuts its engine down at module end only if this engine
+registered the global (shutdown clears it, and also tears down vLLM's
+process-wide distributed state); if another live engine registered it first,
+this engine is left running, as ``tests/vllm/conftest.py`` leaves its own.
 
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set only while the fixture's engine
 lives (vLLM reads it lazily, when the engine is built), so that tests which
@@ -39,7 +42,10 @@ import pytest
 import vllm.envs as vllm_envs
 from vllm import EngineArgs, LLMEngine, SamplingParams
 from vllm.config.kv_transfer import KVTransferConfig
-from vllm.distributed.kv_transfer.kv_transfer_state import has_kv_transfer_group
+from vllm.distributed.kv_transfer.kv_transfer_state import (
+    get_kv_transfer_group,
+    has_kv_transfer_group,
+)
 from vllm.inputs import TokensPrompt
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -157,9 +163,9 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    assert not has_kv_transfer_group(), (
-        "another in-process engine already registered a KV connector in this process"
-    )
+    shared_worker_connector = has_kv_transfer_group()
+    if shared_worker_connector:  # another live engine registered it: this engine will share it
+        assert isinstance(get_kv_transfer_group(), DelayedFreeConnector)
     model_dir = tmp_path_factory.mktemp("tiny-llama")
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
     args = EngineArgs(
@@ -204,9 +210,10 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
             yield eng
         finally:
             DelayedFreeConnector.release_all()
-            llm.engine_core.shutdown()
+            if not shared_worker_connector:
+                llm.engine_core.shutdown()  # clears the process-global worker connector
             vllm_envs.disable_envs_cache()
-    assert not has_kv_transfer_group()
+    assert has_kv_transfer_group() == shared_worker_connector
 
 
 # ---------------------------------------------------------------------------
@@ -423,6 +430,23 @@ def test_release_file_and_zero_step_baseline(tmp_path: Path) -> None:
     flag.touch()
     assert pair.step() == {"stuck-00000000"}
     assert pair.step() == set()  # reported once only
+
+
+def test_one_worker_connector_shared_by_two_engines_keeps_them_apart() -> None:
+    """vLLM reuses one worker-side connector for every in-process engine."""
+    a = _Pair({"complete_after_steps": 2})
+    b = _Pair({"complete_after_steps": 5})
+    b.worker = a.worker
+    assert a.finish("a1-00000000", [1])
+    assert b.finish("b1-00000000", [2])
+    assert a.step() == set()
+    assert b.step() == set()
+    assert a.step() == {"a1-00000000"}  # a's 2nd step; b's steps did not count for a
+    for _ in range(3):
+        assert b.step() == set()
+    assert a.step() == set()  # a's steps never report b's transfer
+    assert b.step() == {"b1-00000000"}  # b's 5th step
+    assert not a.worker.pending_request_ids
 
 
 def test_complete_after_one_step_reports_in_the_announcing_step() -> None:

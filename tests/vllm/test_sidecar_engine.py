@@ -1,4 +1,4 @@
-"""The sidecar in front of a real engine: started before it, after it, and asking it for checkpoints."""
+"""The sidecar in front of a real engine: before it, after it, asking it for checkpoints."""
 
 from __future__ import annotations
 

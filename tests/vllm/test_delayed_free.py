@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from conftest import Harness, prompt
 
 from kvguard.core.types import LeakCause, LeakPath, Verdict
@@ -14,6 +15,8 @@ from kvguard.vllm_plugin.delay_connector import DelayedFreeConnector
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 BOUND_SECONDS = 0.5
+
+pytestmark = pytest.mark.kv_connector
 
 
 def _engine(engines: Callable[..., Harness]) -> Harness:

@@ -1,0 +1,175 @@
+"""The public metric contract (design section 7) and helpers shared by the observability tests.
+
+The contract is written out here on purpose, not imported from kvguard: dashboards and
+alerts depend on these names, so a rename in the package must fail these tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+RULES = REPO / "deploy" / "prometheus" / "kvguard-alerts.yaml"
+RULE_TESTS = REPO / "deploy" / "prometheus" / "kvguard-alerts.test.yaml"
+DASHBOARD = REPO / "dashboards" / "kvguard.json"
+
+
+@dataclass(frozen=True)
+class Metric:
+    type: str  # "gauge" or "counter"
+    labels: frozenset[str]
+    # label -> allowed values, for the enumerated labels
+    values: tuple[tuple[str, frozenset[str]], ...] = ()
+    reserved: bool = False  # in the contract, exported by a later release
+
+
+def _m(type_: str, *labels: str, reserved: bool = False, **values: tuple[str, ...]) -> Metric:
+    return Metric(type_, frozenset(labels), tuple((k, frozenset(v)) for k, v in values.items()),
+                  reserved)
+
+
+CONTRACT: dict[str, Metric] = {
+    "kvguard_pool_capacity_blocks": _m("gauge", "engine"),
+    "kvguard_pool_blocks": _m(
+        "gauge", "engine", "state",
+        state=("free", "cached", "active", "held_by_finished", "orphaned")),
+    "kvguard_cache_saturation_ratio": _m("gauge", "engine"),
+    "kvguard_finished_requests_holding_blocks": _m("gauge", "engine"),
+    "kvguard_leaked_blocks": _m(
+        "gauge", "engine", "cause",
+        cause=("finished_request", "orphan", "refcount_drift", "double_free")),
+    "kvguard_checkpoints_total": _m(
+        "counter", "engine", "verdict", verdict=("clean", "saturated", "leak", "skipped")),
+    "kvguard_last_checkpoint_timestamp_seconds": _m("gauge", "engine"),
+    "kvguard_request_events_total": _m("counter", "engine", "event"),
+    "kvguard_hook_errors_total": _m("counter", "engine"),
+    "kvguard_engine_up": _m("gauge", "engine"),
+    "kvguard_leak_trend": _m("gauge", "engine"),
+    "kvguard_allocator_bytes": _m(
+        "gauge", "engine", "kind", reserved=True,
+        kind=("allocated", "reserved", "reserved_unallocated", "inactive_split")),
+    "kvguard_device_memory_bytes": _m(
+        "gauge", "engine", "kind", reserved=True, kind=("used", "non_torch")),
+    "kvguard_host_swap_used_bytes": _m("gauge", reserved=True),
+    "kvguard_drain_eta_seconds": _m("gauge", "engine", reserved=True),
+}
+# The sidecar's own operational series: documented in the README, no dashboard panel needed.
+OPERATIONAL: dict[str, Metric] = {
+    "kvguard_engine_info": _m("gauge", "engine", "epoch", "kvguard_version", "vllm_version"),
+    "kvguard_sidecar_read_errors_total": _m("counter"),
+}
+
+RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
+HOST_METRICS = frozenset(n for n, m in CONTRACT.items() if "engine" not in m.labels)
+
+METRIC_NAME = re.compile(r"\bkvguard_[a-z0-9_]+\b")
+
+
+def promtool() -> str:
+    """The real promtool binary; a missing one is an error, never a skip."""
+    path = shutil.which("promtool") or "/usr/bin/promtool"
+    assert Path(path).is_file(), (
+        "promtool not found: install Debian's `prometheus` package (scripts/bootstrap does)"
+    )
+    return path
+
+
+def prometheus_binary() -> str:
+    path = shutil.which("prometheus") or "/usr/bin/prometheus"
+    assert Path(path).is_file(), (
+        "prometheus not found: install Debian's `prometheus` package (scripts/bootstrap does)"
+    )
+    return path
+
+
+def load_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def load_alerts() -> list[dict[str, Any]]:
+    return [r for r in load_rules() if "alert" in r]
+
+
+def load_dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return doc
+
+
+def all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every panel, rows' nested panels included."""
+    out: list[dict[str, Any]] = []
+    for panel in dashboard["panels"]:
+        out.append(panel)
+        out.extend(panel.get("panels", []))
+    return out
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    panel_id: int
+    title: str
+    ref_id: str
+    expr: str
+    metrics: frozenset[str]
+
+    @property
+    def reserved(self) -> bool:
+        return bool(self.metrics) and self.metrics <= RESERVED
+
+    @property
+    def label(self) -> str:
+        return f"{self.title} [{self.ref_id}]"
+
+
+def panel_queries(dashboard: dict[str, Any]) -> list[PanelQuery]:
+    return [
+        PanelQuery(p["id"], p["title"], t["refId"], t["expr"],
+                   frozenset(METRIC_NAME.findall(t["expr"])))
+        for p in all_panels(dashboard)
+        for t in p.get("targets", [])
+    ]
+
+
+# What Grafana puts in for the template variables when everything is selected.
+GRAFANA_SUBSTITUTIONS = {
+    "$namespace": ".*",
+    "$pod": ".*",
+    "$engine": ".*",
+    "$__rate_interval": "15s",
+    "$__interval": "5s",
+}
+
+
+def grafana_expand(expr: str) -> str:
+    # longest first: "$__rate_interval" before "$__interval"
+    for key in sorted(GRAFANA_SUBSTITUTIONS, key=len, reverse=True):
+        expr = expr.replace(key, GRAFANA_SUBSTITUTIONS[key])
+    assert "$" not in expr, f"unexpanded variable in {expr!r}"
+    return expr
+
+
+class PrometheusServer:
+    """A running Prometheus: its base URL, its log, and a JSON GET on its HTTP API."""
+
+    def __init__(self, url: str, log: Path) -> None:
+        self.url = url
+        self.log = log
+
+    def log_tail(self, n: int = 40) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return "\n".join(lines[-n:])
+
+    def get(self, path: str, **params: str) -> Any:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=5) as resp:
+            return json.loads(resp.read())

@@ -56,8 +56,13 @@ class KvguardCollector(Collector):
                                      labels=["engine", "event"])
         errors = CounterMetricFamily("kvguard_hook_errors",
                                      "Failures inside kvguard hook code (contained).", labels=eng)
+        drain_eta = GaugeMetricFamily("kvguard_drain_eta_seconds",
+                                      "Predicted seconds until the engine drains (fluid model); "
+                                      "+Inf when arrivals keep up with completions.", labels=eng)
         for name, view in sorted(self.store.engines.items()):
             s = view.state
+            if s.drain is not None:
+                drain_eta.add_metric([name], s.drain.eta_seconds)
             up.add_metric([name], 1.0 if self.store.is_up(view, now) else 0.0)
             info.add_metric([name, s.epoch, s.kvguard_version, s.vllm_version or ""], 1.0)
             holding.add_metric([name], float(s.finished_requests_holding_blocks))
@@ -90,4 +95,4 @@ class KvguardCollector(Collector):
                                           "Engine state files the sidecar could not read.")
         read_errors.add_metric([], float(self.store.num_read_errors))
         yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
-                    events, errors, read_errors)
+                    events, errors, read_errors, drain_eta)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 
 STATE_SCHEMA_VERSION = 1
@@ -40,6 +41,7 @@ class EngineState(BaseModel):
     hook_errors_by_hook: dict[str, int] = Field(default_factory=dict)
     checkpoints_total: dict[str, int] = Field(default_factory=dict)
     publish_drops_total: int = 0
+    drain: DrainPrediction | None = Field(default=None, description="When the next drain can be.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

@@ -22,6 +22,7 @@ from typing import Any
 
 from kvguard.config import KvguardConfig
 from kvguard.core.checkpoint import build_report, pool_report, skipped_report
+from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, PoolReport
@@ -83,6 +84,8 @@ class EngineGuard:
         self.errors = HookErrors()
         self.engine = self._unique_name(config.engine_name or _default_engine_name(scheduler))
         self.started_at = time.time()
+        self.drain = DrainEstimator(started_at=self.started_at)
+        """Arrival and completion rates for the drain prediction (fed by the hooks)."""
         self.epoch = f"{os.getpid()}-{int(self.started_at * 1000)}"
         self.hooks_installed: list[str] = []
         self.hooks_missing: list[str] = []
@@ -151,8 +154,11 @@ class EngineGuard:
         if not ds.drained:
             if self._checkpoint_requested:
                 self._checkpoint_requested = False
+                reason = ds.reason
+                if ds.live_work:
+                    reason += "; " + self.drain_prediction(now).explanation
                 return self._record(skipped_report(
-                    ds.reason, checkpoint_id=self._take_id(), engine=self.engine,
+                    reason, checkpoint_id=self._take_id(), engine=self.engine,
                     epoch=self.epoch, taken_at=now))
             if ds.live_work:
                 self.drain_pending = False  # the next free re-arms it
@@ -193,6 +199,11 @@ class EngineGuard:
         self.publish()
         return report
 
+    def drain_prediction(self, now: float | None = None) -> DrainPrediction:
+        sched = self.scheduler
+        backlog = len(getattr(sched, "running", ())) + len(getattr(sched, "waiting", ()))
+        return self.drain.predict(time.time() if now is None else now, backlog)
+
     # ---------------------------------------------------------------- publish
     def state(self) -> EngineState:
         holding = self.ledger.finished_holding()
@@ -217,6 +228,7 @@ class EngineGuard:
             hook_errors_by_hook=dict(self.errors.by_hook),
             checkpoints_total=dict(self.checkpoints_total),
             publish_drops_total=self.publisher.drops,
+            drain=self.drain_prediction(),
             reports=list(self.reports),
         )
 

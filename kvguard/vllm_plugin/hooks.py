@@ -132,7 +132,9 @@ def install_hooks(g: EngineGuard) -> None:
         def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             ret = orig(request, *args, **kwargs)
             try:
-                ledger.on_request_admitted(RequestId(request.request_id), time.time())
+                now = time.time()
+                ledger.on_request_admitted(RequestId(request.request_id), now)
+                g.drain.on_arrival(now)
             except Exception as exc:
                 errors.record("add_request", exc)
             return ret
@@ -160,7 +162,9 @@ def install_hooks(g: EngineGuard) -> None:
             try:
                 rid = RequestId(request.request_id)
                 claim(rid)
-                ledger.on_request_finished(rid, finish_reason_of(request), time.time())
+                now = time.time()
+                ledger.on_request_finished(rid, finish_reason_of(request), now)
+                g.drain.on_completion(now)
                 if g.faults and g.faults.fire(Fault.REFCOUNT_BUMP):
                     tail = request_block_ids(kvm, rid)
                     if tail:

@@ -146,3 +146,16 @@ def test_stale_engine_state_is_reported_down(tmp_path: Path) -> None:
     with _client(tmp_path) as c:
         assert c.get("/v1/report").json()["engines"][0]["up"] is False
         assert _metrics(c)["kvguard_engine_up"][0][1] == 0.0
+
+
+def test_drain_eta_is_exported_and_infinite_when_the_workload_does_not_drain(
+    tmp_path: Path,
+) -> None:
+    from kvguard.core.drain_model import predict
+
+    s = state([report(1)]).model_copy(update={"drain": predict(
+        12, 3.1, 2.9, at=1.0, window_seconds=30.0)})
+    write(tmp_path, s)
+    with _client(tmp_path) as c:
+        [(labels, value, typ)] = _metrics(c)["kvguard_drain_eta_seconds"]
+    assert labels == {"engine": "dp0"} and value == float("inf") and typ == "gauge"

@@ -51,7 +51,8 @@ def test_sidecar_before_and_after_the_engine_and_checkpoint_requests(
             h.engine.step()
         skipped = _wait(lambda: [r for r in early.get("/v1/checkpoints").json()["checkpoints"]
                                  if r["verdict"] == "skipped"])
-        assert "running" in skipped[-1]["skip_reason"]
+        reason = skipped[-1]["skip_reason"]
+        assert "running" in reason and "backlog" in reason and "λ=" in reason
         h.run_to_completion()
         n_early = len(early.get("/v1/checkpoints").json()["checkpoints"])
 

@@ -1,4 +1,4 @@
-"""``kvguard`` command line: ``report``, ``sidecar`` and ``demo``.
+"""``kvguard`` command line: ``report``, ``sidecar``, ``chaos`` and ``demo``.
 
 Every option also reads a ``KVGUARD_*`` environment variable (see README).
 """
@@ -53,6 +53,38 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from kvguard.chaos.result import ScenarioResult, Status
+    from kvguard.chaos.runner import expected_text, render_table, run_matrix
+    from kvguard.chaos.scenarios import matrix
+
+    if args.list:
+        for s in matrix():
+            print(f"{s.name:<32} {s.injected}  [expect {expected_text(s)}]")
+        return 0
+
+    def progress(done: int, total: int, result: ScenarioResult | None, name: str) -> None:
+        if result is None:
+            print(f"[{done + 1:>2}/{total}] {name} ...", end="", file=sys.stderr, flush=True)
+        else:
+            print(f" {result.status.value} ({result.seconds:.0f} s)", file=sys.stderr,
+                  flush=True)
+
+    only = [n for n in (args.only or "").split(",") if n] or None
+    with tempfile.TemporaryDirectory(prefix="kvguard-chaos-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        results = run_matrix(only, workdir, progress)
+    print(render_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([r.model_dump(mode="json") for r in results],
+                                              indent=2))
+    bad = [r for r in results if r.status in (Status.FAILED, Status.ERROR)]
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvguard", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -66,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--uds", help="serve on this Unix socket instead (KVGUARD_SIDECAR_UDS)")
     sc.add_argument("--run-dir", help="where engines publish state (KVGUARD_RUN_DIR)")
     sc.set_defaults(func=_cmd_sidecar)
+    ch = sub.add_parser("chaos", help="run the leak scenario matrix on a real engine")
+    ch.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    ch.add_argument("--only", help="comma-separated scenario names")
+    ch.add_argument("--json", help="write the results as JSON to this file (for CI)")
+    ch.add_argument("--workdir", help="keep models, logs and state here")
+    ch.set_defaults(func=_cmd_chaos)
     d = sub.add_parser("demo", help="tiny real vLLM server + kvguard + a faulty workload")
     d.add_argument("--workdir", help="keep the model, logs and state here (default: temp dir)")
     d.add_argument("--no-fault", action="store_true", help="run the workload without the "

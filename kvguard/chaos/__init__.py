@@ -1,0 +1,1 @@
+"""``kvguard chaos``: leak scenarios on a real vLLM engine, scored against expectations."""

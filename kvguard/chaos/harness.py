@@ -1,0 +1,93 @@
+"""A real in-process vLLM engine with kvguard attached, driven step by step.
+
+Used by the chaos scenarios and by the test suite. Token-id prompts only: no
+text, so nothing a scenario sends can end up in a report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvguard.core.report import CheckpointReport
+from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
+from kvguard.errors import KvguardError
+from kvguard.vllm_plugin.guard import EngineGuard, guard_of
+from kvguard.vllm_plugin.pool_reader import request_block_ids
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """A deterministic token-id prompt of ``n`` tokens, distinct per ``seed``."""
+    return [3 + (seed * 7919 + i * 31) % 500 for i in range(n)]
+
+
+class EngineHarness:
+    """One engine, its scheduler, its block pool and the kvguard guard on it."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self.engine: Any = build_engine(spec)
+        self.scheduler: Any = scheduler_of(self.engine)
+        guard = guard_of(self.scheduler)
+        if guard is None:
+            raise KvguardError("kvguard did not attach to the engine: is the package installed "
+                               "in this environment and VLLM_PLUGINS unset or containing "
+                               "'kvguard'?")
+        self.guard: EngineGuard = guard
+        self.pool: Any = self.scheduler.kv_cache_manager.block_pool
+        self._n = 0
+
+    def add(self, tokens: list[int], max_tokens: int, rid: str | None = None) -> str:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._n += 1
+        rid = rid or f"req{self._n}"
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=tokens),
+                                SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return rid
+
+    def internal_id(self, client_id: str) -> str:
+        for rid in self.scheduler.requests:
+            if rid == client_id or rid.rsplit("-", 1)[0] == client_id:
+                return str(rid)
+        raise KeyError(client_id)
+
+    def blocks_of(self, client_id: str) -> int:
+        return len(request_block_ids(self.scheduler.kv_cache_manager,
+                                     self.internal_id(client_id)))
+
+    def abort(self, *client_ids: str) -> None:
+        self.engine.abort_request(list(client_ids))
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.engine.step()
+
+    def step_until(self, cond: Callable[[], bool], max_steps: int = 5000,
+                   max_seconds: float = 60.0) -> int:
+        deadline = time.monotonic() + max_seconds
+        for i in range(max_steps):
+            if cond():
+                return i
+            if time.monotonic() > deadline:
+                break
+            self.engine.step()
+        raise TimeoutError(f"condition not reached in {max_steps} steps / {max_seconds:.0f} s")
+
+    def run_to_completion(self, max_steps: int = 5000) -> int:
+        return self.step_until(lambda: not self.engine.has_unfinished_requests(), max_steps)
+
+    def drain_scheduler(self, max_seconds: float = 30.0) -> None:
+        """Step until the scheduler holds no request at all (delayed frees included)."""
+        self.step_until(lambda: not self.scheduler.requests and not self.scheduler.running
+                        and not len(self.scheduler.waiting), max_seconds=max_seconds)
+
+    def latest(self) -> CheckpointReport:
+        if not self.guard.reports:
+            raise KvguardError("no checkpoint was taken: the engine never drained")
+        return self.guard.reports[-1]
+
+    def num_usable(self) -> int:
+        return int(self.pool.num_gpu_blocks) - 1

@@ -1,0 +1,169 @@
+"""Run the matrix: each scenario in its own process, on a fresh real engine.
+
+A process per scenario because engines share process-wide vLLM state (one
+worker-side KV connector per process; a double free leaves a corrupt pool) and
+because shutting one in-process engine down breaks the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvguard.chaos.result import ScenarioResult, Status, summarize
+from kvguard.chaos.scenarios import NotExercised, Scenario, matrix
+from kvguard.core.report import CheckpointReport
+from kvguard.core.types import LeakCause
+
+SCENARIO_TIMEOUT_SECONDS = 240.0
+RESULT_PREFIX = "KVGUARD-CHAOS-RESULT "
+
+
+def expected_text(s: Scenario) -> str:
+    if s.leak is None:
+        return "/".join(sorted(v.value for v in s.verdicts)) + ", no leak"
+    who = ",".join(sorted(s.leak.client_ids)) or "no request"
+    path = s.leak.path.value if s.leak.path else "any path"
+    return f"leak: {s.leak.cause.value}/{path} {who}"
+
+
+def score(s: Scenario, report: CheckpointReport) -> tuple[Status, str]:
+    """``passed`` only when the verdict, cause, path and named requests are all right."""
+    if report.verdict not in s.verdicts:
+        return Status.FAILED, f"verdict {report.verdict.value}, expected " \
+                              f"{'/'.join(v.value for v in s.verdicts)}"
+    if s.leak is None:
+        if report.leaks:
+            return Status.FAILED, "false alarm: " + summarize(report)[0]
+        return Status.PASSED, ""
+    exp = s.leak
+    allowed = {exp.cause} | ({LeakCause.REFCOUNT_DRIFT} if exp.cause is LeakCause.ORPHAN else set())
+    wrong = [lk for lk in report.leaks if lk.cause not in allowed]
+    if wrong:
+        return Status.FAILED, f"unexpected cause {wrong[0].cause.value}"
+    hits = [lk for lk in report.leaks if lk.cause is exp.cause
+            and (exp.path is None or lk.path is exp.path)]
+    if not hits:
+        return Status.FAILED, f"no {exp.cause.value} finding on path " \
+                              f"{exp.path.value if exp.path else 'any'}"
+    named = {lk.client_request_id for lk in report.leaks if lk.client_request_id}
+    if exp.client_ids and not exp.client_ids <= named:
+        return Status.FAILED, f"requests named {sorted(named)}, expected {sorted(exp.client_ids)}"
+    if exp.client_ids and named - exp.client_ids:
+        return Status.FAILED, f"innocent requests accused: {sorted(named - exp.client_ids)}"
+    return Status.PASSED, ""
+
+
+def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
+    """Build the engine, drive the scenario, score kvguard's last checkpoint."""
+    from kvguard.chaos.harness import EngineHarness
+    from kvguard.demo.engine import EngineSpec
+    from kvguard.demo.tiny_model import make_draft_model, make_tiny_model
+    from kvguard.vllm_plugin.faults import FaultPlan
+
+    model = make_tiny_model(workdir / "model")
+    scenarios = {s.name: s for s in matrix(make_draft_model(workdir / "model"))}
+    s = scenarios[name]
+    base = ScenarioResult(name=s.name, injected=s.injected, reproduces=s.reproduces,
+                          expected=expected_text(s), concluded="", status=Status.ERROR)
+    t0 = time.monotonic()
+    overrides = dict(s.engine)
+    try:
+        h = EngineHarness(EngineSpec(model_dir=model, **overrides))  # type: ignore[arg-type]
+    except Exception as exc:
+        status = Status.UNSUPPORTED if s.may_be_unsupported else Status.ERROR
+        msg = " ".join(str(exc).split())[:300] or type(exc).__name__
+        return base.model_copy(update={"status": status, "concluded": "-",
+                                       "why": f"engine could not be built: {msg}",
+                                       "seconds": time.monotonic() - t0})
+    h.guard.config = dataclasses.replace(
+        h.guard.config, delayed_free_bound_seconds=s.delayed_free_bound_seconds)
+    if s.faults:
+        h.guard.arm_faults(FaultPlan(dict(s.faults)))
+    try:
+        evidence = s.drive(h)
+        report = h.latest()
+    except NotExercised as exc:
+        return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
+                                       "why": f"path not exercised: {exc}",
+                                       "seconds": time.monotonic() - t0})
+    except Exception as exc:
+        return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
+                                       "why": f"{type(exc).__name__}: {exc}"[:300],
+                                       "seconds": time.monotonic() - t0})
+    status, why = score(s, report)
+    concluded, leaks = summarize(report)
+    return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
+                                   "evidence": evidence, "verdict": report.verdict,
+                                   "leaks": leaks, "seconds": time.monotonic() - t0})
+
+
+def run_matrix(
+    names: Sequence[str] | None,
+    workdir: Path,
+    progress: Callable[[int, int, ScenarioResult | None, str], None] | None = None,
+) -> list[ScenarioResult]:
+    """Each scenario in a child process (``python -m kvguard.chaos.worker``), one at a time."""
+    all_names = [s.name for s in matrix()]
+    chosen = list(names) if names else all_names
+    unknown = sorted(set(chosen) - set(all_names))
+    if unknown:
+        from kvguard.errors import ConfigError
+
+        raise ConfigError("--only", ",".join(unknown), "scenario names from `kvguard chaos "
+                                                        "--list`")
+    results: list[ScenarioResult] = []
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "kvguard",
+           "KVGUARD_RUN_DIR": str(workdir / "run")}
+    for i, name in enumerate(chosen):
+        if progress is not None:
+            progress(i, len(chosen), None, name)
+        t0 = time.monotonic()
+        log = workdir / f"{name}.log"
+        try:
+            with log.open("wb") as out:
+                proc = subprocess.run(
+                    [sys.executable, "-m", "kvguard.chaos.worker", name, str(workdir)],
+                    stdout=subprocess.PIPE, stderr=out, env=env,
+                    timeout=SCENARIO_TIMEOUT_SECONDS, check=False)
+            line = next((ln for ln in proc.stdout.decode().splitlines()[::-1]
+                         if ln.startswith(RESULT_PREFIX)), None)
+            if line is None:
+                raise RuntimeError(f"worker exited {proc.returncode} without a result; "
+                                   f"see {log}")
+            result = ScenarioResult.model_validate(json.loads(line[len(RESULT_PREFIX):]))
+        except (subprocess.TimeoutExpired, RuntimeError) as exc:
+            s = next(s for s in matrix() if s.name == name)
+            result = ScenarioResult(name=name, injected=s.injected, reproduces=s.reproduces,
+                                    expected=expected_text(s), concluded="-",
+                                    status=Status.ERROR, why=str(exc)[:300],
+                                    seconds=time.monotonic() - t0)
+        results.append(result)
+        if progress is not None:
+            progress(i + 1, len(chosen), result, name)
+    return results
+
+
+def render_table(results: Sequence[ScenarioResult]) -> str:
+    rows = [("SCENARIO", "INJECTED", "EXPECTED", "KVGUARD CONCLUDED", "RESULT")]
+    for r in results:
+        mark = {Status.PASSED: "ok", Status.FAILED: "WRONG", Status.ERROR: "ERROR",
+                Status.UNSUPPORTED: "unsupported"}[r.status]
+        rows.append((r.name, r.injected, r.expected, r.concluded or "-", mark))
+    widths = [min(48, max(len(row[i]) for row in rows)) for i in range(5)]
+    lines = ["  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths, strict=True))
+             for row in rows]
+    for r in results:
+        if r.why:
+            lines.append(f"  {r.name}: {r.why}")
+    passed = sum(r.status is Status.PASSED for r in results)
+    unsupported = sum(r.status is Status.UNSUPPORTED for r in results)
+    lines.append(f"{passed} passed, {len(results) - passed - unsupported} failed"
+                 + (f", {unsupported} unsupported on this build" if unsupported else ""))
+    return "\n".join(lines)

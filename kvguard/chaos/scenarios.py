@@ -1,0 +1,300 @@
+"""The scenario matrix: exceptional exits where KV blocks really leak, and healthy twins.
+
+Each scenario drives a fresh real engine and states what a correct kvguard must
+conclude. ``drive`` returns evidence that the path was really exercised (e.g.
+"7 preemptions"); it raises ``NotExercised`` when the engine did not take the
+path, so a scenario can never pass vacuously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvguard.chaos.harness import EngineHarness, prompt
+from kvguard.core.types import LeakCause, LeakPath, Verdict
+from kvguard.vllm_plugin.faults import Fault
+
+HEALTHY = frozenset({Verdict.CLEAN, Verdict.SATURATED})
+
+
+class NotExercised(AssertionError):
+    """The engine did not take the path the scenario is about."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedLeak:
+    cause: LeakCause
+    path: LeakPath | None
+    """None when the path is not knowable (a reference taken behind every hook)."""
+    client_ids: frozenset[str] = frozenset()
+    """Requests the report must name (empty: no request is knowable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    injected: str
+    """What was done to the engine, in words."""
+    drive: Callable[[EngineHarness], str]
+    verdicts: frozenset[Verdict] = HEALTHY
+    leak: ExpectedLeak | None = None
+    engine: Mapping[str, object] = field(default_factory=dict)
+    """EngineSpec overrides (``extra`` for vLLM kwargs such as kv_transfer_config)."""
+    faults: Mapping[Fault, int] = field(default_factory=dict)
+    delayed_free_bound_seconds: float = 30.0
+    reproduces: str = ""
+    """Which real report (design.md section 5) this scenario stands for."""
+    may_be_unsupported: bool = False
+    """If the engine cannot be built with this configuration, report ``unsupported`` with
+    vLLM's own error instead of failing (e.g. offloading connectors on the CPU build)."""
+
+
+def _connector(**extra: object) -> dict[str, object]:
+    return {"extra": {"kv_transfer_config": {
+        "kv_connector": "DelayedFreeConnector",
+        "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+        "kv_role": "kv_both", "kv_connector_extra_config": extra}}}
+
+
+# ------------------------------------------------------------------ drivers
+def _disconnects(concurrency: int) -> Callable[[EngineHarness], str]:
+    def drive(h: EngineHarness) -> str:
+        ids = [h.add(prompt(i, 40 + i % 30), max_tokens=80) for i in range(concurrency)]
+        h.step(6)
+        running = sum(1 for r in h.scheduler.running)
+        h.abort(*ids[::2])
+        h.run_to_completion()
+        h.drain_scheduler()
+        n = h.guard.ledger.num_events["finish_aborted"]
+        if n < len(ids[::2]):
+            raise NotExercised(f"only {n} of {len(ids[::2])} aborts reached the engine")
+        return f"{n} aborted of {concurrency} ({running} running at the abort)"
+    return drive
+
+
+def _abort_while_queued(h: EngineHarness) -> str:
+    ids = [h.add(prompt(100 + i, 50), max_tokens=40) for i in range(4)]
+    h.step(3)
+    queued = [r.request_id.rsplit("-", 1)[0] for r in h.scheduler.waiting]
+    if not queued:
+        raise NotExercised("no request was queued")
+    h.abort(*queued)
+    h.run_to_completion()
+    h.drain_scheduler()
+    return f"{len(queued)} aborted while queued of {len(ids)}"
+
+
+def _abort_long_prefill(h: EngineHarness) -> str:
+    rid = h.add(prompt(200, 400), max_tokens=20)
+    h.step(2)
+    req = h.scheduler.requests[h.internal_id(rid)]
+    done = int(req.num_computed_tokens)
+    if not 0 < done < 400:
+        raise NotExercised(f"prefill was not in progress ({done}/400 tokens computed)")
+    h.abort(rid)
+    h.run_to_completion()
+    h.drain_scheduler()
+    return f"aborted after {done}/400 prompt tokens ({h.guard.ledger.num_events['allocate']} "\
+           "allocations)"
+
+
+def _abort_racing_final_step(h: EngineHarness) -> str:
+    rid = h.add(prompt(300, 60), max_tokens=8)
+    internal = h.internal_id(rid)
+    h.step_until(lambda: h.scheduler.requests[internal].num_output_tokens >= 7)
+    h.abort(rid)  # lands in the same engine iteration as the final token
+    h.run_to_completion()
+    h.drain_scheduler()
+    return "aborted with 7 of 8 tokens out"
+
+
+def _preemption_storm(h: EngineHarness) -> str:
+    for i in range(6):
+        h.add(prompt(400 + i, 60), max_tokens=150)
+    h.run_to_completion()
+    h.drain_scheduler()
+    n = h.guard.ledger.num_events["preempt"]
+    if n == 0:
+        raise NotExercised("no preemption happened")
+    return f"{n} preemptions in a {h.num_usable()}-block pool"
+
+
+def _shared_prefix_abort(h: EngineHarness) -> str:
+    shared = prompt(500, 96)
+    ids = [h.add(shared + prompt(510 + i, 10), max_tokens=40) for i in range(4)]
+    h.step(4)
+    h.abort(ids[1])
+    h.run_to_completion()
+    h.drain_scheduler()
+    hits = h.guard.ledger.num_events["prefix_hit"]
+    if hits == 0:
+        raise NotExercised("no prefix hit happened")
+    return f"{hits} prefix hits, one sharer aborted"
+
+
+def _saturation(h: EngineHarness) -> str:
+    for i in range(30):
+        h.add(prompt(600 + i, 96), max_tokens=2)
+        h.run_to_completion()
+    h.drain_scheduler()
+    r = h.latest()
+    return f"{r.pool.cached if r.pool else 0}/{h.num_usable()} blocks cached"
+
+
+def _spec_decode(h: EngineHarness) -> str:
+    for i in range(4):
+        h.add(prompt(700 + i, 40), max_tokens=40)
+    h.run_to_completion()
+    h.drain_scheduler()
+    drafts = accepted = 0
+    for m in h.engine.get_metrics():
+        if m.name == "vllm:spec_decode_num_draft_tokens":
+            drafts += int(getattr(m, "value", 0))
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted += int(getattr(m, "value", 0))
+    if drafts == 0 or accepted >= drafts:
+        raise NotExercised(f"no rejected drafts ({accepted}/{drafts} accepted)")
+    return f"{drafts - accepted} of {drafts} draft tokens rejected"
+
+
+def _delayed_free(h: EngineHarness) -> str:
+    for i in range(3):
+        h.add(prompt(800 + i, 70), max_tokens=5)
+    h.run_to_completion()
+    pending = len(h.scheduler.requests)
+    h.drain_scheduler()
+    if pending == 0:
+        raise NotExercised("no free was delayed")
+    return f"{pending} frees delayed by the connector, then completed"
+
+
+def _delayed_free_never(h: EngineHarness) -> str:
+    h.add(prompt(900, 70), max_tokens=5, rid="never-1")
+    h.add(prompt(901, 40), max_tokens=5)
+    h.run_to_completion()
+    h.step_until(lambda: bool(h.guard.reports) and h.latest().verdict is Verdict.LEAK,
+                 max_seconds=h.guard.config.delayed_free_bound_seconds + 20)
+    return f"never-1 holds {h.blocks_of('never-1')} blocks past the bound"
+
+
+def _fail_after_admission(h: EngineHarness) -> str:
+    from vllm.v1.request import RequestStatus
+
+    ids = [h.add(prompt(1000 + i, 50), max_tokens=40) for i in range(3)]
+    h.step(4)
+    victims = [h.internal_id(ids[0]), h.internal_id(ids[1])]
+    h.scheduler.finish_requests(victims, RequestStatus.FINISHED_ERROR)
+    h.run_to_completion()
+    h.drain_scheduler()
+    n = h.guard.ledger.num_events["finish_error"]
+    if n != 2:
+        raise NotExercised(f"{n} requests failed, expected 2")
+    return "2 requests failed (FINISHED_ERROR) after admission"
+
+
+def _skip_free_on_abort(h: EngineHarness) -> str:
+    victim = "victim-skip"
+    h.add(prompt(1100, 70), max_tokens=60, rid=victim)
+    other = h.add(prompt(1101, 30), max_tokens=30)
+    h.step_until(lambda: h.blocks_of(victim) >= 3)
+    held = h.blocks_of(victim)
+    h.abort(victim)
+    h.run_to_completion()
+    h.drain_scheduler()
+    return f"{victim} aborted holding {held} blocks ({other} ran normally)"
+
+
+def _double_free_on_abort(h: EngineHarness) -> str:
+    victim = "victim-double"
+    h.add(prompt(1150, 70), max_tokens=60, rid=victim)
+    h.step_until(lambda: h.blocks_of(victim) >= 3)
+    held = h.blocks_of(victim)
+    h.abort(victim)  # the engine drains here; its pool is now corrupt, so stop stepping
+    return f"{victim} aborted holding {held} blocks, each freed twice"
+
+
+def _refcount_bump(h: EngineHarness) -> str:
+    h.add(prompt(1200, 70), max_tokens=10)
+    h.run_to_completion()
+    h.drain_scheduler()
+    return "one block's ref_cnt bumped behind every hook"
+
+
+def _hook_errors(h: EngineHarness) -> str:
+    for i in range(4):
+        h.add(prompt(1300 + i, 40), max_tokens=12)
+    h.run_to_completion()
+    h.drain_scheduler()
+    n = h.guard.errors.total
+    if n != 3:
+        raise NotExercised(f"{n} hook errors counted, expected 3")
+    return "3 exceptions inside kvguard hooks, contained and counted"
+
+
+def matrix(draft_model_dir: Path | None = None) -> list[Scenario]:
+    """Every scenario, in the order ``kvguard chaos`` runs them."""
+    spec_extra: dict[str, object] = {}
+    if draft_model_dir is not None:
+        spec_extra = {"extra": {"speculative_config": {
+            "method": "draft_model", "model": str(draft_model_dir),
+            "num_speculative_tokens": 3}}}
+    return [
+        Scenario("disconnect_c1", "client disconnects mid-stream, 1 concurrent", _disconnects(1)),
+        Scenario("disconnect_c8", "client disconnects mid-stream, 8 concurrent", _disconnects(8)),
+        Scenario("disconnect_c32", "client disconnects mid-stream, 32 concurrent (queueing)",
+                 _disconnects(32)),
+        Scenario("abort_queued", "abort while queued", _abort_while_queued,
+                 engine={"max_num_seqs": 1}, reproduces="vllm #41269 (reject before admission)"),
+        Scenario("abort_long_prefill", "abort during a chunked 400-token prefill",
+                 _abort_long_prefill, engine={"max_num_batched_tokens": 64}),
+        Scenario("abort_final_step", "abort racing the final decode step",
+                 _abort_racing_final_step, reproduces="vllm #29987 (healthy twin)"),
+        Scenario("preemption_storm", "6 long requests in a 11-block pool", _preemption_storm,
+                 engine={"num_gpu_blocks_override": 12, "max_model_len": 256},
+                 reproduces="vllm #52360 (preemption; no async store on CPU)"),
+        Scenario("shared_prefix_abort", "4 sharers of a 3-block prefix, one aborted",
+                 _shared_prefix_abort),
+        Scenario("prefix_saturation", "30 distinct prefixes fill the cache",
+                 _saturation, verdicts=frozenset({Verdict.SATURATED})),
+        Scenario("spec_decode_rejections", "speculative decoding with a draft model "
+                 "(rejected drafts roll back)", _spec_decode, engine=spec_extra),
+        Scenario("delayed_free_late", "KV transfer completes 5 steps late (within bound)",
+                 _delayed_free, engine=_connector(complete_after_steps=5)),
+        Scenario("offload_connector", "KV offload through vLLM's OffloadingConnector",
+                 _delayed_free, engine={"extra": {"kv_transfer_config": {
+                     "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                     "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}}},
+                 may_be_unsupported=True, reproduces="vllm #52360 (async store)"),
+        Scenario("fail_after_admission", "2 requests fail (FINISHED_ERROR) after admission",
+                 _fail_after_admission),
+        Scenario("hook_exceptions", "3 exceptions inside kvguard's own hooks", _hook_errors,
+                 faults={Fault.HOOK_ERROR: 3}),
+        Scenario("fault_skip_free_on_abort", "FAULT: the aborted request's free is skipped",
+                 _skip_free_on_abort, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.ABORT,
+                                   frozenset({"victim-skip"})),
+                 faults={Fault.SKIP_FREE_ON_ABORT: 1},
+                 reproduces="vllm #32255 / #29987 (free missed on abort)"),
+        Scenario("fault_transfer_never_completes",
+                 "FAULT: a KV transfer completion never arrives", _delayed_free_never,
+                 verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.DELAYED_FREE,
+                                   frozenset({"never-1"})),
+                 engine=_connector(complete_after_steps=2,
+                                   never_complete_request_prefixes=["never-"]),
+                 delayed_free_bound_seconds=1.0,
+                 reproduces="vllm #46283, #20139 (delayed free never completes)"),
+        Scenario("fault_double_free_on_abort", "FAULT: the aborted request's blocks freed twice",
+                 _double_free_on_abort, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.DOUBLE_FREE, LeakPath.ABORT,
+                                   frozenset({"victim-double"})),
+                 faults={Fault.DOUBLE_FREE_ON_ABORT: 1},
+                 reproduces="SGLang #6888 (double free)"),
+        Scenario("fault_refcount_bump", "FAULT: a ref_cnt bump nobody releases",
+                 _refcount_bump, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.ORPHAN, None), faults={Fault.REFCOUNT_BUMP: 1},
+                 reproduces="copy-on-write / connector ref bumps (design.md section 5)"),
+    ]
+

@@ -1,8 +1,8 @@
 """When can the next drained checkpoint happen? A fluid-queue prediction.
 
 The workload boundary, not memory: with arrival rate λ, completion rate μ and
-backlog q0 now, the fluid model q(t) = max(0, q0 + (λ − μ)·t) drains at
-t = q0 / (μ − λ) when λ < μ, and never when λ ≥ μ: a nonzero steady backlog
+backlog q0 now, the fluid model q(t) = max(0, q0 + (λ - μ)·t) drains at
+t = q0 / (μ - λ) when λ < μ, and never when λ ≥ μ: a nonzero steady backlog
 is ongoing work, not a leak, and kvguard says so instead of guessing.
 
 λ and μ are counted over a sliding window of lifecycle events (admissions and
@@ -23,7 +23,7 @@ MIN_SPAN_SECONDS = 1.0
 
 
 class DrainPrediction(BaseModel):
-    """The drain model's view at ``at`` (Unix s). ``eta_seconds`` is ``inf`` when it never drains."""
+    """The drain model's view at ``at`` (Unix s); ``eta_seconds`` is ``inf`` if it never drains."""
 
     # inf must survive JSON (the state file): written as Infinity, read back as inf.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True,
@@ -40,7 +40,7 @@ class DrainPrediction(BaseModel):
 
 
 def fluid_backlog(q0: float, arrival_rate: float, completion_rate: float, t: float) -> float:
-    """q(t) = max(0, q0 + (λ − μ)·t): the lab's model, and the estimator's."""
+    """q(t) = max(0, q0 + (λ - μ)·t): the lab's model, and the estimator's."""
     return max(0.0, q0 + (arrival_rate - completion_rate) * t)
 
 

@@ -66,7 +66,8 @@ class EngineHarness:
             self.engine.step()
 
     def step_until(self, cond: Callable[[], bool], max_steps: int = 5000,
-                   max_seconds: float = 60.0) -> int:
+                   max_seconds: float = 60.0, pause_seconds: float = 0.0) -> int:
+        """Step until ``cond()``; ``pause_seconds`` between steps when waiting on a clock."""
         deadline = time.monotonic() + max_seconds
         for i in range(max_steps):
             if cond():
@@ -74,6 +75,8 @@ class EngineHarness:
             if time.monotonic() > deadline:
                 break
             self.engine.step()
+            if pause_seconds:
+                time.sleep(pause_seconds)
         raise TimeoutError(f"condition not reached in {max_steps} steps / {max_seconds:.0f} s")
 
     def run_to_completion(self, max_steps: int = 5000) -> int:

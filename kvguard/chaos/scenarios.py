@@ -175,6 +175,7 @@ def _delayed_free_never(h: EngineHarness) -> str:
     h.add(prompt(901, 40), max_tokens=5)
     h.run_to_completion()
     h.step_until(lambda: bool(h.guard.reports) and h.latest().verdict is Verdict.LEAK,
+                 max_steps=10**6, pause_seconds=0.005,
                  max_seconds=h.guard.config.delayed_free_bound_seconds + 20)
     return f"never-1 holds {h.blocks_of('never-1')} blocks past the bound"
 
@@ -186,7 +187,8 @@ def _fail_after_admission(h: EngineHarness) -> str:
     h.step(4)
     victims = [h.internal_id(ids[0]), h.internal_id(ids[1])]
     h.scheduler.finish_requests(victims, RequestStatus.FINISHED_ERROR)
-    h.run_to_completion()
+    # Finished inside the scheduler only: the engine's client side still waits for them,
+    # so wait for the scheduler (not the client) to empty.
     h.drain_scheduler()
     n = h.guard.ledger.num_events["finish_error"]
     if n != 2:

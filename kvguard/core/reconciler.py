@@ -33,7 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
-from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger, RequestRecord
+from kvguard.core.ledger import (
+    DoubleFreeEvent,
+    OwnershipLedger,
+    RequestRecord,
+    client_request_id,
+)
 from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.types import (
     AcquireKind,
@@ -82,8 +87,9 @@ class _Collector:
         if f is None:
             f = Finding(cause=cause, path=path, blocks=0, request_id=rid, detail=detail,
                         evidence=self.opts.evidence)
+            if rid is not None:
+                f.client_request_id = client_request_id(rid)
             if rec is not None:
-                f.client_request_id = rec.client_request_id
                 f.finish_reason = rec.finish_reason
                 if rec.finished_at is not None:
                     f.held_for_seconds = max(0.0, self.opts.now - rec.finished_at)

@@ -238,7 +238,10 @@ class OwnershipLedger:
         rec = self._records.get(request_id)
         if rec is None:
             return
-        for b in block_ids:
+        ids = list(block_ids)
+        if ids and rec.phase in (RequestPhase.WAITING, RequestPhase.PREEMPTED):
+            rec.phase = RequestPhase.RUNNING  # it holds blocks again: it was scheduled
+        for b in ids:
             bid = BlockId(b)
             if bid in self._null_blocks or bid in rec.blocks:
                 continue
@@ -252,9 +255,9 @@ class OwnershipLedger:
         """Release one reference per block.
 
         With ``request_id``, the reference comes off that request. Without,
-        it comes off the owner that is expected to be freeing: a finished
-        request first (oldest first), then an unattributed reference, then a
-        live request (preemption frees live requests' blocks).
+        it comes off the owner that is expected to be freeing (see
+        ``_release_rank``): a finished request being freed, a preempted one, a
+        live one, an unattributed reference, and last a request already freed.
         """
         self.num_events["release"] += 1
         for b in block_ids:
@@ -272,10 +275,12 @@ class OwnershipLedger:
                 self._record_double_free(bid, request_id, rec)
                 continue
             owner = self._pick_releasing_owner(bid)
-            if owner is not None:
+            if owner is not None and self._release_rank(owner)[0] < 3:
                 self._drop_ref(owner, bid)
             elif self._unattributed.get(bid, 0) > 0:
                 self._take_unattributed(bid)
+            elif owner is not None:
+                self._drop_ref(owner, bid)
             else:
                 self._record_double_free(bid, None, None)
 
@@ -327,21 +332,27 @@ class OwnershipLedger:
             del self._unattributed[bid]
             self._unattributed_kind.pop(bid, None)
 
+    @staticmethod
+    def _release_rank(rec: RequestRecord) -> tuple[int, float]:
+        """Who gives a reference back when the engine does not say: lower ranks first.
+
+        A finished request whose free is in progress, then a preempted one (its
+        blocks are being freed), then other live owners; a finished request
+        already declared freed comes last (an unattributed reference goes first).
+        """
+        if rec.phase is RequestPhase.FINISHED:
+            if rec.freed_at is None:
+                return (0, rec.finished_at or 0.0)
+            return (3, rec.finished_at or 0.0)
+        if rec.phase is RequestPhase.PREEMPTED:
+            return (1, 0.0)
+        return (2, 0.0)
+
     def _pick_releasing_owner(self, bid: BlockId) -> RequestRecord | None:
         owners = self._owners.get(bid)
         if not owners:
             return None
-        best: RequestRecord | None = None
-        for rid in owners:
-            rec = self._records[rid]
-            if rec.phase is RequestPhase.FINISHED:
-                if best is None or best.phase is not RequestPhase.FINISHED or (
-                    (rec.finished_at or 0.0) < (best.finished_at or 0.0)
-                ):
-                    best = rec
-            elif best is None:
-                best = rec
-        return best
+        return min((self._records[rid] for rid in owners), key=self._release_rank)
 
     def _record_double_free(
         self, bid: BlockId, request_id: RequestId | None, rec: RequestRecord | None

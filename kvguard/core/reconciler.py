@@ -139,14 +139,20 @@ def reconcile(
     counts[BlockState.FREE] += n_free
     counts[BlockState.CACHED] += n_cached
 
+    pool_level: list[Finding] = []
     if free_q is None and snapshot.num_free_reported != n_zero:
+        # Blocks with ref_cnt < 0 sit in the free queue and already have their own
+        # double_free findings: they explain that much of the excess.
+        n_negative = sum(1 for b, rc in enumerate(refs) if rc < 0 and b not in nulls)
         diff = snapshot.num_free_reported - n_zero
-        cause = LeakCause.DOUBLE_FREE if diff > 0 else LeakCause.ORPHAN
-        out.groups[(cause, None, LeakPath.UNKNOWN)] = Finding(
-            cause=cause, path=LeakPath.UNKNOWN, blocks=abs(diff), evidence=opts.evidence,
-            detail=f"the pool reports {snapshot.num_free_reported} free blocks but "
-                   f"{n_zero} have ref_cnt 0",
-        )
+        unexplained = diff - n_negative if diff > 0 else diff
+        if unexplained:
+            cause = LeakCause.DOUBLE_FREE if unexplained > 0 else LeakCause.ORPHAN
+            pool_level.append(Finding(
+                cause=cause, path=LeakPath.UNKNOWN, blocks=abs(unexplained),
+                evidence=opts.evidence,
+                detail=f"the pool reports {snapshot.num_free_reported} free blocks but "
+                       f"{n_zero} have ref_cnt 0"))
 
     holders = {
         r.request_id for r in ledger.records()
@@ -157,6 +163,7 @@ def reconcile(
         if not (f.cause is LeakCause.FINISHED_REQUEST and f.request_id is not None
                 and _is_legit_holder(ledger, f.request_id, opts))
     ]
+    findings.extend(pool_level)
     findings.sort(key=lambda f: (f.cause.value, -(f.blocks), f.request_id or ""))
     states = PoolStates(capacity=snapshot.capacity, counts=counts)
     return Reconciliation(

@@ -30,7 +30,9 @@ is one finding of 5 blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import (
@@ -117,27 +119,12 @@ def reconcile(
     double_free_by_block: dict[int, DoubleFreeEvent] = {e.block_id: e for e in ledger.double_frees}
     interesting = set(ledger.owned_block_ids()) | double_free_by_block.keys()
 
-    n_free = n_cached = n_zero = 0
-    for b, rc in enumerate(refs):
-        if rc == 0 and b not in interesting and b not in nulls:
-            n_zero += 1
-            if free_q is not None and not free_q[b]:
-                counts[BlockState.ORPHANED] += 1
-                out.add(LeakCause.ORPHAN, b, detail="ref_cnt 0 but not in the free queue: "
-                        "the block can never be allocated again")
-            elif cached[b]:
-                n_cached += 1
-            else:
-                n_free += 1
-            continue
-        if b in nulls:
-            continue
-        if rc == 0:
-            n_zero += 1
-        _classify(BlockId(b), rc, bool(cached[b]), None if free_q is None else bool(free_q[b]),
-                  ledger, double_free_by_block.get(b), counts, out)
-    counts[BlockState.FREE] += n_free
-    counts[BlockState.CACHED] += n_cached
+    if free_q is not None:
+        n_zero = _walk_every_block(refs, cached, free_q, nulls, interesting, ledger,
+                                   double_free_by_block, counts, out)
+    else:
+        n_zero = _classify_sparse(refs, cached, nulls, interesting, ledger,
+                                  double_free_by_block, counts, out)
 
     pool_level: list[Finding] = []
     if free_q is None and snapshot.num_free_reported != n_zero:
@@ -173,6 +160,67 @@ def reconcile(
         num_free_reported=snapshot.num_free_reported,
         num_free_observed=n_zero,
     )
+
+
+def _walk_every_block(
+    refs: Sequence[int], cached: Sequence[int], free_q: Sequence[int], nulls: frozenset[int],
+    interesting: set[int], ledger: OwnershipLedger, dbl: dict[int, DoubleFreeEvent],
+    counts: dict[BlockState, int], out: _Collector,
+) -> int:
+    """Per-block path, used when the free queue was walked: checks each block's membership."""
+    n_free = n_cached = n_zero = 0
+    for b, rc in enumerate(refs):
+        if b in nulls:
+            continue
+        if rc == 0 and b not in interesting:
+            n_zero += 1
+            if not free_q[b]:
+                counts[BlockState.ORPHANED] += 1
+                out.add(LeakCause.ORPHAN, b, detail="ref_cnt 0 but not in the free queue: "
+                        "the block can never be allocated again")
+            elif cached[b]:
+                n_cached += 1
+            else:
+                n_free += 1
+            continue
+        if rc == 0:
+            n_zero += 1
+        _classify(BlockId(b), rc, bool(cached[b]), bool(free_q[b]), ledger, dbl.get(b),
+                  counts, out)
+    counts[BlockState.FREE] += n_free
+    counts[BlockState.CACHED] += n_cached
+    return n_zero
+
+
+def _classify_sparse(
+    refs: Sequence[int], cached: Sequence[int], nulls: frozenset[int], interesting: set[int],
+    ledger: OwnershipLedger, dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int],
+    out: _Collector,
+) -> int:
+    """Fast path: Python work only for referenced, owned or suspect blocks.
+
+    Plain free and cached blocks (most of a drained pool) are counted with C-level
+    ``list.count`` and ``itertools.compress``; this keeps a full audit within a small
+    multiple of merely reading every ref count.
+    """
+    n = len(refs)
+    todo = set(compress(range(n), refs))  # every nonzero (incl. negative) ref count
+    todo |= interesting
+    todo -= nulls
+    n_zero = refs.count(0) - sum(1 for b in nulls if b < n and refs[b] == 0)
+    zero_done = 0
+    for b in sorted(todo):
+        if b >= n:
+            continue
+        rc = refs[b]
+        if rc == 0:
+            zero_done += 1
+        _classify(BlockId(b), rc, bool(cached[b]), None, ledger, dbl.get(b), counts, out)
+    n_cached = sum(1 for b in compress(range(n), cached)
+                   if refs[b] == 0 and b not in todo and b not in nulls)
+    counts[BlockState.CACHED] += n_cached
+    counts[BlockState.FREE] += n_zero - zero_done - n_cached
+    return n_zero
 
 
 def _is_legit_holder(ledger: OwnershipLedger, rid: RequestId, opts: ReconcileOptions) -> bool:

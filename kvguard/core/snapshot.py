@@ -22,12 +22,14 @@ class PoolSnapshot:
     """
 
     ref_counts: Sequence[int]
-    cached: Sequence[bool]
-    """The block carries a prefix-cache hash (evictable when its ref count is 0)."""
+    cached: Sequence[int]
+    """Truthy when the block carries a prefix-cache hash (evictable when its ref count is 0).
+
+    Any 0/1 or bool sequence (a ``bytearray`` is cheapest to build)."""
     num_free_reported: int
     """The pool's own count of free blocks (vLLM: ``free_block_queue.num_free_blocks``)."""
     null_block_ids: frozenset[int] = frozenset({0})
-    in_free_queue: Sequence[bool] | None = None
+    in_free_queue: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.ref_counts)

@@ -48,6 +48,9 @@ def test_prefix_heavy_workload_is_saturated_not_a_leak(engines: Engines) -> None
     _assert_states_match_engine(h, r)
     # vLLM's own usage metric says the pool is empty: the cache is evictable.
     assert h.pool.get_usage() == 0.0
+    # kvguard reads cached blocks from the pool's hash map, not per block: they agree.
+    hashed = {b.block_id for b in h.pool.blocks if b.block_hash is not None}
+    assert r.pool.cached == len(hashed)
 
 
 def test_aborts_mid_generation_and_while_waiting_leave_no_leak(engines: Engines) -> None:

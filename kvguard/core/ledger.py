@@ -124,6 +124,14 @@ class OwnershipLedger:
     def owners_of(self, block_id: BlockId) -> Mapping[RequestId, int]:
         return self._owners.get(block_id, {})
 
+    def owners_map(self) -> Mapping[BlockId, Mapping[RequestId, int]]:
+        """Block -> {request: references}, read-only view for audits."""
+        return self._owners
+
+    def unattributed_map(self) -> Mapping[BlockId, int]:
+        """Block -> references no request has claimed yet."""
+        return self._unattributed
+
     def owned_block_ids(self) -> Iterable[BlockId]:
         """Blocks with at least one recorded owner or unattributed reference."""
         return self._owners.keys() | self._unattributed.keys()

@@ -30,9 +30,10 @@ is one finding of 5 blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress
+from typing import cast
 
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import (
@@ -163,7 +164,8 @@ def reconcile(
 
 
 def _walk_every_block(
-    refs: Sequence[int], cached: Sequence[int], free_q: Sequence[int], nulls: frozenset[int],
+    refs: Sequence[int], cached: Sequence[object], free_q: Sequence[int],
+    nulls: frozenset[int],
     interesting: set[int], ledger: OwnershipLedger, dbl: dict[int, DoubleFreeEvent],
     counts: dict[BlockState, int], out: _Collector,
 ) -> int:
@@ -193,34 +195,64 @@ def _walk_every_block(
 
 
 def _classify_sparse(
-    refs: Sequence[int], cached: Sequence[int], nulls: frozenset[int], interesting: set[int],
+    refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int], interesting: set[int],
     ledger: OwnershipLedger, dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int],
     out: _Collector,
 ) -> int:
     """Fast path: Python work only for referenced, owned or suspect blocks.
 
     Plain free and cached blocks (most of a drained pool) are counted with C-level
-    ``list.count`` and ``itertools.compress``; this keeps a full audit within a small
-    multiple of merely reading every ref count.
+    ``list.count`` and ``itertools.compress``; a block held by exactly one live
+    request with the matching ref count is counted ``active`` without further
+    work. This keeps a drained audit within a small multiple of merely reading
+    every ref count.
     """
     n = len(refs)
     todo = set(compress(range(n), refs))  # every nonzero (incl. negative) ref count
     todo |= interesting
     todo -= nulls
+    # Block ids are plain ints at run time; NewType only exists for the type checker.
+    owners_map = cast(Mapping[int, Mapping[RequestId, int]], ledger.owners_map())
+    live = {r.request_id for r in ledger.records() if r.phase.is_live}
+    unattributed = cast(Mapping[int, int], ledger.unattributed_map())
     n_zero = refs.count(0) - sum(1 for b in nulls if b < n and refs[b] == 0)
-    zero_done = 0
+    zero_done = cached_done = active = 0
     for b in sorted(todo):
         if b >= n:
             continue
         rc = refs[b]
-        if rc == 0:
+        if rc > 0:
+            owners = owners_map.get(b)
+            if owners is not None and len(owners) == 1 and b not in unattributed \
+                    and b not in dbl:
+                ((rid, held),) = owners.items()
+                if held == rc and rid in live:
+                    active += 1
+                    continue
+        elif rc == 0:
             zero_done += 1
+            if cached[b]:
+                cached_done += 1
         _classify(BlockId(b), rc, bool(cached[b]), None, ledger, dbl.get(b), counts, out)
-    n_cached = sum(1 for b in compress(range(n), cached)
-                   if refs[b] == 0 and b not in todo and b not in nulls)
+    counts[BlockState.ACTIVE] += active
+    cached_zero_nulls = sum(1 for b in nulls if b < n and refs[b] == 0 and cached[b])
+    cached_total = n - _count_falsy(cached)
+    cached_nonzero = sum(1 for b in todo if b < n and refs[b] != 0 and cached[b])
+    n_cached = cached_total - cached_nonzero - cached_done - cached_zero_nulls
     counts[BlockState.CACHED] += n_cached
     counts[BlockState.FREE] += n_zero - zero_done - n_cached
     return n_zero
+
+
+def _count_falsy(seq: Sequence[object]) -> int:
+    """Number of falsy entries, at C speed for lists of hashes-or-None and for bools."""
+    if isinstance(seq, (bytes, bytearray)):
+        return seq.count(0)
+    if isinstance(seq, list):
+        if seq and isinstance(seq[0], int):  # bools or 0/1 (False == 0 counts both)
+            return seq.count(False)
+        return seq.count(None)  # hashes, None when not cached
+    return sum(1 for x in seq if not x)
 
 
 def _is_legit_holder(ledger: OwnershipLedger, rid: RequestId, opts: ReconcileOptions) -> bool:

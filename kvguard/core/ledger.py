@@ -105,7 +105,10 @@ class OwnershipLedger:
 
     def __init__(self, *, null_block_ids: Iterable[int] = (0,)) -> None:
         self._records: dict[RequestId, RequestRecord] = {}
-        self._owners: dict[BlockId, dict[RequestId, int]] = {}
+        # Block -> its owners. Compact on purpose (most blocks have one owner holding
+        # one reference): the value is then the owner's RequestId itself (a string the
+        # record already holds, so it costs no allocation); a dict otherwise.
+        self._owners: dict[BlockId, RequestId | dict[RequestId, int]] = {}
         self._unattributed: Counter[BlockId] = Counter()
         self._unattributed_kind: dict[BlockId, AcquireKind] = {}
         self._null_blocks = frozenset(BlockId(b) for b in null_block_ids)
@@ -122,10 +125,16 @@ class OwnershipLedger:
         return self._records.values()
 
     def owners_of(self, block_id: BlockId) -> Mapping[RequestId, int]:
-        return self._owners.get(block_id, {})
+        owners = self._owners.get(block_id)
+        if owners is None:
+            return {}
+        if isinstance(owners, str):
+            return {owners: 1}
+        return owners
 
-    def owners_map(self) -> Mapping[BlockId, Mapping[RequestId, int]]:
-        """Block -> {request: references}, read-only view for audits."""
+    def owners_map(self) -> Mapping[BlockId, RequestId | Mapping[RequestId, int]]:
+        """Block -> owners, read-only, for audits: a ``RequestId`` when one request holds one
+        reference, else {request: references}."""
         return self._owners
 
     def unattributed_map(self) -> Mapping[BlockId, int]:
@@ -308,11 +317,14 @@ class OwnershipLedger:
 
     def _add_ref(self, rec: RequestRecord, bid: BlockId) -> None:
         rec.blocks[bid] = rec.blocks.get(bid, 0) + 1
+        rid = rec.request_id
         owners = self._owners.get(bid)
         if owners is None:
-            self._owners[bid] = {rec.request_id: 1}
+            self._owners[bid] = rid
+        elif isinstance(owners, str):
+            self._owners[bid] = {rid: 2} if owners == rid else {owners: 1, rid: 1}
         else:
-            owners[rec.request_id] = owners.get(rec.request_id, 0) + 1
+            owners[rid] = owners.get(rid, 0) + 1
 
     def _drop_ref(self, rec: RequestRecord, bid: BlockId) -> None:
         n = rec.blocks[bid] - 1
@@ -320,14 +332,22 @@ class OwnershipLedger:
             rec.blocks[bid] = n
         else:
             del rec.blocks[bid]
+        rid = rec.request_id
         owners = self._owners[bid]
-        m = owners[rec.request_id] - 1
-        if m:
-            owners[rec.request_id] = m
+        if isinstance(owners, str):
+            del self._owners[bid]
         else:
-            del owners[rec.request_id]
+            m = owners[rid] - 1
+            if m:
+                owners[rid] = m
+            else:
+                del owners[rid]
             if not owners:
                 del self._owners[bid]
+            elif len(owners) == 1:
+                ((only, refs),) = owners.items()
+                if refs == 1:
+                    self._owners[bid] = only
         if not rec.blocks and rec.deferred_free_pending:
             rec.deferred_free_pending = False
         self._maybe_compact(rec)
@@ -357,7 +377,7 @@ class OwnershipLedger:
         return (2, 0.0)
 
     def _pick_releasing_owner(self, bid: BlockId) -> RequestRecord | None:
-        owners = self._owners.get(bid)
+        owners = self.owners_of(bid)
         if not owners:
             return None
         return min((self._records[rid] for rid in owners), key=self._release_rank)

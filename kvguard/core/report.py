@@ -7,6 +7,8 @@ block ids and times.
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.types import Evidence, FinishReason, LeakCause, LeakPath, Verdict
@@ -52,8 +54,48 @@ class LeakReport(_Model):
     detail: str = ""
 
 
+class MemoryDomain(enum.StrEnum):
+    """Where the engine's tensors (and its KV pool) live."""
+
+    CUDA = "cuda"
+    MPS = "mps"
+    CPU = "cpu"
+    OTHER = "other"
+    """An accelerator kvguard has no allocator probe for (host numbers only)."""
+
+
+class DeviceSource(enum.StrEnum):
+    """Which interface the device-level numbers came from."""
+
+    NVML = "nvml"
+    CUDA_MEM_GET_INFO = "cuda_mem_get_info"
+
+
+class NonTorchScope(enum.StrEnum):
+    """What ``non_torch_bytes`` subtracts torch's reservation from.
+
+    ``process``: NVML's used memory of this very process (CUDA context, NCCL,
+    graphs, direct CUDA allocations of this process). ``device``: the whole
+    device's used memory, which also counts every other process on it (NVML
+    does not list this pid, e.g. a container seeing host pids, or only
+    ``mem_get_info`` was readable).
+    """
+
+    PROCESS = "process"
+    DEVICE = "device"
+
+
 class AllocatorReport(_Model):
-    """Framework allocator counters (bytes), filled by the attribution probes."""
+    """Framework allocator counters (bytes), filled by the attribution probes.
+
+    Invariant (native caching allocator): ``allocated_bytes <= reserved_bytes``;
+    allocated sits *inside* reserved, so the two are never added. Their
+    difference (``reserved_unallocated_bytes``) is allocator-held cache, and
+    ``inactive_split_bytes`` is the part of that cache stuck in split segments
+    (fragmentation). On MPS ``allocated_bytes`` is
+    ``torch.mps.current_allocated_memory`` and ``reserved_bytes`` is
+    ``driver_allocated_memory``.
+    """
 
     backend: str | None = None
     allocated_bytes: int | None = None
@@ -62,24 +104,166 @@ class AllocatorReport(_Model):
     num_alloc_retries: int | None = None
     num_ooms: int | None = None
     unavailable: list[str] = Field(default_factory=list)
+    domain: MemoryDomain | None = None
+    active_bytes: int | None = Field(
+        default=None, description="active_bytes.all.current: allocated plus frees still "
+        "waiting on stream events.")
+    peak_allocated_bytes: int | None = Field(
+        default=None, description="allocated_bytes.all.peak: high-water mark since start.")
+
+    @property
+    def reserved_unallocated_bytes(self) -> int | None:
+        """``reserved - allocated``: cache the allocator holds (bytes), not a leak."""
+        if self.reserved_bytes is None or self.allocated_bytes is None:
+            return None
+        return self.reserved_bytes - self.allocated_bytes
 
 
 class DeviceReport(_Model):
-    """Device-level memory (bytes), filled by the attribution probes."""
+    """Device-level memory (bytes), filled by the attribution probes.
+
+    ``non_torch_bytes = used - reserved`` in the scope ``non_torch_scope`` says:
+    memory outside the framework (CUDA context, NCCL, CUDA graphs, other
+    processes). A residual there is a lead, not an attribution.
+    """
 
     used_bytes: int | None = None
     total_bytes: int | None = None
     non_torch_bytes: int | None = None
     unavailable: list[str] = Field(default_factory=list)
+    source: DeviceSource | None = None
+    device_index: int | None = None
+    process_used_bytes: int | None = Field(
+        default=None, description="NVML's used memory of this process, when NVML lists it.")
+    non_torch_scope: NonTorchScope | None = None
 
 
 class HostReport(_Model):
-    """Host memory (bytes), filled by the attribution probes."""
+    """Host memory (bytes), filled by the attribution probes.
+
+    On unified memory (Apple silicon) the process footprint can look small
+    while the data is still there; ``swap_used_bytes`` growth is the honest
+    signal that the host does not fit.
+    """
 
     rss_bytes: int | None = None
     swap_used_bytes: int | None = None
     mem_available_bytes: int | None = None
     unavailable: list[str] = Field(default_factory=list)
+    swap_total_bytes: int | None = None
+    rss_peak_bytes: int | None = Field(
+        default=None, description="getrusage ru_maxrss: the process's peak RSS, not current.")
+    child_processes: int | None = Field(
+        default=None, description="Child processes read (the engine's workers), when the "
+        "model runs outside this process.")
+    child_processes_rss_bytes: int | None = Field(
+        default=None, description="Their RSS summed; the KV pool of such an engine is there.")
+
+
+class Boundary(enum.StrEnum):
+    """Which memory boundary moved (design.md sections 2 and 3).
+
+    The values are part of the public contract (report JSON).
+    """
+
+    TENSOR = "tensor"
+    """Live tensor bytes grew: an owner keeps tensors (outputs in a list, closures, graphs)."""
+    ALLOCATOR_CACHE = "allocator_cache"
+    """reserved - allocated grew (minus fragmentation): reusable cache, not a leak."""
+    FRAGMENTATION = "fragmentation"
+    """inactive split bytes or allocation retries grew."""
+    OUTSIDE_FRAMEWORK = "outside_framework"
+    """device used - torch reserved grew: context, NCCL, graphs, other processes (a lead)."""
+    KV_POOL = "kv_pool"
+    """KV blocks are held at a drained checkpoint: the pool ledger's leak, in bytes."""
+    HOST_SWAP = "host_swap"
+    """Host swap grew: the host does not fit, whatever the process footprint says."""
+    PROCESS_MEMORY = "process_memory"
+    """Process RSS grew while the KV pool tensor stayed the same size (CPU engines)."""
+    TRANSIENT_PEAK = "transient_peak"
+    """The allocator ran out of memory between checkpoints while drained usage is flat."""
+
+
+class FindingStrength(enum.StrEnum):
+    """How far a finding goes."""
+
+    ATTRIBUTION = "attribution"
+    """The boundary names the kind of owner; the next step says where to look."""
+    LEAD = "lead"
+    """Memory outside what kvguard can attribute: investigate further, do not conclude."""
+    NOT_A_LEAK = "not_a_leak"
+    """Reclaimable by design (allocator cache)."""
+
+
+class AttributionStatus(enum.StrEnum):
+    """Where the attribution is in its protocol (warm-up, baseline, comparison)."""
+
+    WARMING_UP = "warming_up"
+    BASELINE = "baseline"
+    COMPARED = "compared"
+    UNAVAILABLE = "unavailable"
+
+
+class AttributionFinding(_Model):
+    """One boundary that moved since the baseline, by how much, and what to do next.
+
+    ``delta_bytes`` is the growth of that boundary's own counter since the
+    baseline (for ``kv_pool``: leaked blocks x bytes per block now). Findings
+    of one checkpoint never count the same bytes twice: tensor, allocator
+    cache, fragmentation and outside-framework partition the device's used
+    memory.
+    """
+
+    boundary: Boundary
+    strength: FindingStrength
+    delta_bytes: int
+    baseline_bytes: int | None = None
+    current_bytes: int | None = None
+    evidence: str
+    next_step: str
+
+
+class ProbeScope(_Model):
+    """How the numbers of one checkpoint were read, so that they can be compared."""
+
+    pid: int
+    domain: MemoryDomain
+    torch_version: str | None = None
+    cuda_runtime_version: str | None = None
+    driver_version: str | None = None
+    world_size: int | None = Field(
+        default=None, description="Engine workers; > 1 means some run in other processes.")
+    workers_in_process: bool | None = Field(
+        default=None, description="Whether the model (and its tensors) runs in this process "
+        "(vLLM's uni executor) or in worker processes (mp, ray); None: unknown.")
+    nvml_sees_process: bool | None = Field(
+        default=None, description="Whether NVML lists this pid (None: NVML not readable).")
+    synchronized: bool = False
+    cache_returned: bool = False
+    settled_seconds: float = Field(ge=0.0, default=0.0)
+    read_window_seconds: float = Field(ge=0.0, default=0.0,
+                                       description="First to last counter read.")
+
+
+class AttributionReport(_Model):
+    """Memory attribution of one drained checkpoint against the baseline."""
+
+    status: AttributionStatus
+    baseline_checkpoint_id: int | None = None
+    warmup_checkpoints_left: int = Field(ge=0, default=0)
+    min_delta_bytes: int = Field(ge=0, default=0,
+                                 description="Smaller changes are not reported as movement.")
+    kv_pool_bytes: int | None = None
+    kv_num_blocks: int | None = None
+    kv_bytes_per_block: int | None = None
+    findings: list[AttributionFinding] = Field(default_factory=list)
+    scope: ProbeScope | None = None
+    snapshot_path: str | None = Field(
+        default=None, description="PyTorch memory snapshot (stacks, no tensor contents).")
+    snapshot_note: str | None = None
+    errors: list[str] = Field(default_factory=list,
+                              description="Attribution failures, contained.")
+    summary: str = ""
 
 
 class CheckpointReport(_Model):
@@ -101,5 +285,6 @@ class CheckpointReport(_Model):
     allocator: AllocatorReport | None = None
     device: DeviceReport | None = None
     host: HostReport | None = None
+    attribution: AttributionReport | None = None
     explanation: str
     audit_seconds: float = Field(ge=0.0, default=0.0, description="Time the audit took.")

@@ -5,7 +5,9 @@
 2. with the fault on (default), arms one injected fault in EngineCore: the
    first request aborted by a client disconnect has its block free skipped,
    exactly the class of bug behind vllm #29987;
-3. runs the workload (shared-prefix streams, then client disconnects);
+3. runs the workload (shared-prefix streams, clients that disconnect
+   mid-stream from long generations, and one stream cancelled through vLLM's
+   abort API, so that at least one abort is certain);
 4. waits for the drained checkpoint EngineCore publishes, prints the report
    and says whether kvguard's verdict is the expected one.
 """
@@ -57,8 +59,11 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         root = workdir or Path(tmp)
         run_dir = root / "run"
         model = make_tiny_model(root / "model")
-        spec = EngineSpec(model_dir=model, num_gpu_blocks_override=64, max_model_len=512,
-                          max_num_seqs=8)
+        # --enable-scale-out serves vLLM's abort API, which the workload uses to cancel
+        # one stream for certain (a disconnect is noticed only if vLLM writes again).
+        spec = EngineSpec(model_dir=model, num_gpu_blocks_override=128, max_model_len=2048,
+                          max_num_seqs=8, max_num_batched_tokens=2048,
+                          extra={"enable_scale_out": True})
         env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
                "KVGUARD_ENGINE_NAME": ENGINE_NAME}
         if inject_fault:
@@ -72,10 +77,11 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         t0 = time.monotonic()
         with ServerProcess(spec, log_path=root / "server.log", env=env) as server:
             _say(f"  server healthy at {server.base_url} after {time.monotonic() - t0:.0f} s")
-            result = run_workload(server.base_url, spec.served_model_name, progress=_progress)
+            result = run_workload(server.base_url, spec.served_model_name, progress=_progress,
+                                  hangup_max_tokens=1900, cancelled_streams=1)
             ended = time.time()
             _say(f"  workload done: {result.completed} completed, {result.disconnected} "
-                 f"disconnected mid-stream, {result.failed} failed")
+                 f"disconnected or cancelled mid-stream, {result.failed} failed")
             _say("  waiting for the engine to drain and kvguard to take a checkpoint ...")
             state = wait_for_checkpoint(run_dir, after=ended - 5.0)
         print()

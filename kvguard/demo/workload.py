@@ -7,6 +7,7 @@ disconnects). Prompts are plain words; nothing here is ever logged.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,22 +32,30 @@ def _words(seed: int, n: int) -> str:
     return " ".join(WORDS[(seed * 131 + i * 17) % len(WORDS)] for i in range(n))
 
 
-def hang_up_completion(base_url: str, model: str, prompt: str, max_tokens: int,
-                       *, after_seconds: float) -> bool:
-    """Ask for a long completion and hang up after ``after_seconds``; False if we hung up.
+def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
+                      *, timeout: float = 60.0) -> bool:
+    """Stream a long completion and cancel it through vLLM's abort API after one chunk.
 
-    vLLM notices the closed connection and aborts the request (its ``with_cancellation``
-    handler wrapper), which is the client-cancellation path of a real deployment.
+    ``POST /inference/v1/abort_requests`` (served with ``--enable-scale-out``) takes the
+    engine-client request id: the completion id plus the prompt index (``cmpl-...-0``).
+    Deterministic, unlike a disconnect, which vLLM notices only on a later write.
+    Returns False when the stream ended early (cancelled).
     """
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0}
-    try:
-        with httpx.Client(base_url=base_url, timeout=httpx.Timeout(10.0, read=after_seconds)) \
-                as client:
-            client.post("/v1/completions", json=body).raise_for_status()
-    except httpx.ReadTimeout:
-        return False
-    return True
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0.0}
+    chunks = 0
+    with httpx.Client(base_url=base_url, timeout=timeout) as client, \
+            client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            chunks += 1
+            if chunks == 1:
+                rid = json.loads(line[5:])["id"]
+                client.post("/inference/v1/abort_requests",
+                            json={"request_ids": [f"{rid}-0"]}).raise_for_status()
+    return chunks >= max_tokens
 
 
 def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int,
@@ -76,9 +85,18 @@ def run_workload(
     shared_prefix_streams: int = 12,
     disconnecting_streams: int = 6,
     concurrency: int = 4,
+    hangup_max_tokens: int = 460,
+    cancelled_streams: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> WorkloadResult:
-    """Run both phases; ``progress(phase, done, total)`` is called after each request."""
+    """Run both phases; ``progress(phase, done, total)`` is called after each request.
+
+    Disconnecting clients hang up after two streamed chunks of a request for
+    ``hangup_max_tokens`` tokens; vLLM notices the closed connection at its next
+    write and aborts the request. The tiny model generates a token in about a
+    millisecond, so the request must be long enough to still be running then
+    (1,900 tokens take about 2.5 s here; a few hundred may finish first).
+    """
     result = WorkloadResult()
     lock = threading.Lock()
     prefix = _words(1, SHARED_PREFIX_WORDS)
@@ -90,12 +108,11 @@ def run_workload(
             nonlocal done
             prompt, max_tokens, cut = job
             try:
-                if cut is None:
-                    finished = stream_completion(base_url, model, prompt, max_tokens,
-                                                 disconnect_after_chunks=None)
+                if cut == 0:
+                    finished = cancel_mid_stream(base_url, model, prompt, max_tokens)
                 else:
-                    finished = hang_up_completion(base_url, model, prompt, max_tokens,
-                                                  after_seconds=cut / 10)
+                    finished = stream_completion(base_url, model, prompt, max_tokens,
+                                                 disconnect_after_chunks=cut)
                 with lock:
                     if finished:
                         result.completed += 1
@@ -115,7 +132,11 @@ def run_workload(
     phase("shared-prefix streams", [
         (f"{prefix} {_words(100 + i, 8)}", 16, None) for i in range(shared_prefix_streams)
     ])
-    phase("clients hanging up mid-generation", [
-        (_words(200 + i, 40), 460, 3) for i in range(disconnecting_streams)
+    phase("clients disconnecting mid-stream", [
+        (_words(200 + i, 40), hangup_max_tokens, 2) for i in range(disconnecting_streams)
     ])
+    if cancelled_streams:
+        phase("streams cancelled via abort API", [
+            (_words(300 + i, 40), hangup_max_tokens, 0) for i in range(cancelled_streams)
+        ])
     return result

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvguard.core.report import CheckpointReport
 from kvguard.core.trend import TrendVerdict
 from kvguard.core.types import BlockState, LeakCause, Verdict
 from kvguard.sidecar.store import EngineStore
@@ -56,6 +57,17 @@ class KvguardCollector(Collector):
                                      labels=["engine", "event"])
         errors = CounterMetricFamily("kvguard_hook_errors",
                                      "Failures inside kvguard hook code (contained).", labels=eng)
+        allocator = GaugeMetricFamily(
+            "kvguard_allocator_bytes", "Framework allocator bytes at the last drained "
+            "checkpoint; allocated sits inside reserved (never add them).",
+            labels=["engine", "kind"])
+        device = GaugeMetricFamily(
+            "kvguard_device_memory_bytes", "Device memory at the last drained checkpoint: used, "
+            "and non_torch = used - torch reserved.", labels=["engine", "kind"])
+        swap = GaugeMetricFamily(
+            "kvguard_host_swap_used_bytes", "Host swap used at the most recent drained "
+            "checkpoint of any engine on this host.")
+        latest_swap: tuple[float, int] | None = None
         drain_eta = GaugeMetricFamily("kvguard_drain_eta_seconds",
                                       "Predicted seconds until the engine drains (fluid model); "
                                       "+Inf when arrivals keep up with completions.", labels=eng)
@@ -83,6 +95,10 @@ class KvguardCollector(Collector):
                     leaked.add_metric([name, cause.value],
                                       float(r.leaked_blocks_by_cause.get(cause, 0)))
                 last.add_metric([name], r.taken_at)
+                _memory_samples(name, r, allocator, device)
+                if r.host is not None and r.host.swap_used_bytes is not None and (
+                        latest_swap is None or r.taken_at > latest_swap[0]):
+                    latest_swap = (r.taken_at, r.host.swap_used_bytes)
             trend.add_metric([name], 1.0 if view.trend.verdict is TrendVerdict.LEAK_GROWING
                              else 0.0)
             for verdict in Verdict:
@@ -94,5 +110,25 @@ class KvguardCollector(Collector):
         read_errors = CounterMetricFamily("kvguard_sidecar_read_errors",
                                           "Engine state files the sidecar could not read.")
         read_errors.add_metric([], float(self.store.num_read_errors))
+        if latest_swap is not None:
+            swap.add_metric([], float(latest_swap[1]))
         yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
-                    events, errors, read_errors, drain_eta)
+                    events, errors, read_errors, drain_eta, allocator, device, swap)
+
+
+def _memory_samples(name: str, r: CheckpointReport, allocator: GaugeMetricFamily,
+                    device: GaugeMetricFamily) -> None:
+    """``kvguard_allocator_bytes`` and ``kvguard_device_memory_bytes`` from one report."""
+    a = r.allocator
+    if a is not None:
+        kinds = {"allocated": a.allocated_bytes, "reserved": a.reserved_bytes,
+                 "reserved_unallocated": a.reserved_unallocated_bytes,
+                 "inactive_split": a.inactive_split_bytes}
+        for kind, value in kinds.items():
+            if value is not None:
+                allocator.add_metric([name, kind], float(value))
+    d = r.device
+    if d is not None:
+        for kind, value in (("used", d.used_bytes), ("non_torch", d.non_torch_bytes)):
+            if value is not None:
+                device.add_metric([name, kind], float(value))

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from kvguard.attribution.attributor import Attributor, with_attribution
+from kvguard.attribution.setup import attributor_for_vllm
 from kvguard.config import KvguardConfig
 from kvguard.core.checkpoint import build_report, pool_report, skipped_report
 from kvguard.core.drain_model import DrainEstimator, DrainPrediction
@@ -100,6 +102,9 @@ class EngineGuard:
         self._next_publish = 0.0
         self._next_checkpoint_id = 0
         self.publisher = StatePublisher(config.run_dir, self.engine)
+        self.attributor: Attributor | None = attributor_for_vllm(
+            scheduler, config, name=f"{self.engine}-{self.epoch}")
+        """Memory attribution at drained checkpoints (None: off or not buildable)."""
         _GUARDS[self.engine] = self
 
     @staticmethod
@@ -181,6 +186,12 @@ class EngineGuard:
             taken_at=now, saturation_ratio=self.config.saturation_ratio,
             audit_seconds=time.perf_counter() - t0)
         self.last_pool = pool_report(rec)
+        if self.attributor is not None:
+            # Memory attribution, after the pool audit; a failure is contained and counted
+            # like a hook error, and the report goes out without its memory sections.
+            with self.contain("attribution"):
+                report = with_attribution(
+                    report, self.attributor.checkpoint(report.checkpoint_id, report.pool))
         return self._record(report)
 
     def _take_id(self) -> int:

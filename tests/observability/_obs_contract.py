@@ -29,7 +29,7 @@ class Metric:
     labels: frozenset[str]
     # label -> allowed values, for the enumerated labels
     values: tuple[tuple[str, frozenset[str]], ...] = ()
-    reserved: bool = False  # in the contract, exported by a later release
+    reserved: bool = False  # in the contract, exported only where a GPU probe reads it
 
 
 def _m(type_: str, *labels: str, reserved: bool = False, **values: tuple[str, ...]) -> Metric:
@@ -59,8 +59,8 @@ CONTRACT: dict[str, Metric] = {
         kind=("allocated", "reserved", "reserved_unallocated", "inactive_split")),
     "kvguard_device_memory_bytes": _m(
         "gauge", "engine", "kind", reserved=True, kind=("used", "non_torch")),
-    "kvguard_host_swap_used_bytes": _m("gauge", reserved=True),
-    "kvguard_drain_eta_seconds": _m("gauge", "engine", reserved=True),
+    "kvguard_host_swap_used_bytes": _m("gauge"),
+    "kvguard_drain_eta_seconds": _m("gauge", "engine"),
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {

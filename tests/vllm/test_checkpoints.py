@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from conftest import Harness, prompt
-
+from kvguard.chaos.harness import EngineHarness as Harness
+from kvguard.chaos.harness import prompt
 from kvguard.core.types import FinishReason, LeakCause, LeakPath, Verdict
 from kvguard.vllm_plugin.faults import Fault, FaultPlan
 from kvguard.vllm_plugin.pool_reader import request_block_ids

@@ -8,8 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import Harness, prompt
 
+from kvguard.chaos.harness import EngineHarness as Harness
+from kvguard.chaos.harness import prompt
 from kvguard.core.types import LeakCause, LeakPath, Verdict
 from kvguard.vllm_plugin.delay_connector import DelayedFreeConnector
 from kvguard.vllm_plugin.pool_reader import request_block_ids

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Harness, prompt
 from fastapi.testclient import TestClient
 
+from kvguard.chaos.harness import EngineHarness as Harness
+from kvguard.chaos.harness import prompt
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.store import EngineStore
 

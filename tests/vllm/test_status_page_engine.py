@@ -9,9 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import Harness, prompt
 from playwright.sync_api import expect
 
+from kvguard.chaos.harness import EngineHarness as Harness
+from kvguard.chaos.harness import prompt
 from kvguard.vllm_plugin.faults import Fault, FaultPlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pages"))

@@ -1,0 +1,138 @@
+"""Host probe: process RSS, swap used, available memory (bytes).
+
+Linux: ``/proc/self/status`` (``VmRSS``) and ``/proc/meminfo`` (swap used =
+``SwapTotal - SwapFree``, ``MemAvailable``). macOS: ``sysctl vm.swapusage``
+(swap), ``kern.memorystatus_level`` x ``hw.memsize`` (free memory, the
+percentage macOS's own memory guard uses) and RSS through ``psutil`` when it
+is installed. On unified memory the process footprint can look small while
+the data is still resident or swapped out: swap growth is the honest signal,
+which is why swap is read on every host.
+
+The parsers are pure functions of the text, tested on sample text.
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvguard.attribution.backends import HostBackend
+from kvguard.core.report import HostReport
+
+_KIB = 1024
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_kib_fields(text: str) -> dict[str, int]:
+    """``Name:   1234 kB`` lines (``/proc/meminfo``, ``/proc/<pid>/status``) -> bytes.
+
+    Lines without a ``kB`` unit (counts such as ``HugePages_Total``) are kept
+    as plain integers; malformed lines are ignored.
+    """
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        name, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        parts = rest.split()
+        if not parts or not parts[0].isdigit():
+            continue
+        value = int(parts[0])
+        if len(parts) > 1 and parts[1].lower() == "kb":
+            value *= _KIB
+        out[name.strip()] = value
+    return out
+
+
+def parse_meminfo(text: str) -> tuple[int | None, int | None, int | None]:
+    """``/proc/meminfo`` -> ``(swap_used, swap_total, mem_available)`` in bytes.
+
+    ``swap_used = SwapTotal - SwapFree`` (0 on a host without swap). A missing
+    field gives None for what depends on it.
+    """
+    f = parse_kib_fields(text)
+    total, free = f.get("SwapTotal"), f.get("SwapFree")
+    used = total - free if total is not None and free is not None else None
+    return used, total, f.get("MemAvailable")
+
+
+_SWAPUSAGE = re.compile(
+    r"(total|used|free)\s*=\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)", re.IGNORECASE)
+
+
+def parse_vm_swapusage(text: str) -> tuple[int | None, int | None]:
+    """macOS ``sysctl vm.swapusage`` -> ``(swap_used, swap_total)`` in bytes.
+
+    Accepts both ``sysctl vm.swapusage`` (``vm.swapusage: total = ...``) and
+    ``sysctl -n`` output, e.g. ``total = 2048.00M  used = 1310.25M  free =
+    737.75M  (encrypted)``. Units are binary (``M`` = MiB).
+    """
+    values: dict[str, int] = {}
+    for name, number, unit in _SWAPUSAGE.findall(text):
+        values[name.lower()] = round(float(number) * _UNITS[unit.upper()])
+    return values.get("used"), values.get("total")
+
+
+def parse_int(text: str | None) -> int | None:
+    """A bare integer (``sysctl -n hw.memsize``), or None."""
+    if text is None:
+        return None
+    text = text.strip()
+    return int(text) if text.isdigit() else None
+
+
+def children_rss(host: HostBackend) -> tuple[int, int] | None:
+    """``(count, summed RSS bytes)`` of this process's children (Linux), or None."""
+    pids = host.child_pids()
+    if not pids:
+        return None
+    total = 0
+    for pid in pids:
+        text = host.read_text(f"/proc/{pid}/status")
+        total += parse_kib_fields(text).get("VmRSS", 0) if text else 0
+    return len(pids), total
+
+
+def read_host(host: HostBackend, *, include_children: bool = False) -> HostReport:
+    """Read the host section now. Never raises; what it cannot read is listed.
+
+    ``include_children``: also sum the RSS of child processes, for engines whose
+    model (and KV pool) runs in worker processes.
+    """
+    unavailable: list[str] = []
+    rss: int | None = None
+    swap_used = swap_total = available = None
+    if host.platform.startswith("linux"):
+        status = host.read_text("/proc/self/status")
+        rss = parse_kib_fields(status).get("VmRSS") if status else None
+        meminfo = host.read_text("/proc/meminfo")
+        if meminfo is not None:
+            swap_used, swap_total, available = parse_meminfo(meminfo)
+        else:
+            unavailable.append("swap, mem_available: /proc/meminfo not readable")
+    elif host.platform == "darwin":
+        rss = host.process_rss_bytes()
+        usage = host.sysctl("vm.swapusage")
+        if usage is not None:
+            swap_used, swap_total = parse_vm_swapusage(usage)
+        level = parse_int(host.sysctl("kern.memorystatus_level"))
+        memsize = parse_int(host.sysctl("hw.memsize"))
+        if level is not None and memsize is not None:
+            available = memsize * level // 100
+    else:
+        rss = host.process_rss_bytes()
+        unavailable.append(f"swap, mem_available: no probe for platform {host.platform}")
+    if rss is None:
+        unavailable.append("rss: not readable (no /proc/self/status, psutil not installed)")
+    if swap_used is None and not any(u.startswith("swap") for u in unavailable):
+        unavailable.append("swap: not readable")
+    if available is None and not any("mem_available" in u for u in unavailable):
+        unavailable.append("mem_available: not readable")
+    children = children_rss(host) if include_children else None
+    if include_children and children is None:
+        unavailable.append("child processes: none found (workers not children of this "
+                           "process, or no procfs)")
+    return HostReport(rss_bytes=rss, swap_used_bytes=swap_used, swap_total_bytes=swap_total,
+                      mem_available_bytes=available, rss_peak_bytes=host.max_rss_bytes(),
+                      child_processes=children[0] if children else None,
+                      child_processes_rss_bytes=children[1] if children else None,
+                      unavailable=unavailable)

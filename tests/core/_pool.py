@@ -29,19 +29,18 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvguard.core import checkpoint
 from kvguard.core.findings import Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, reconcile
-from kvguard.core.report import CheckpointReport, LeakReport, PoolReport
+from kvguard.core.report import CheckpointReport
 from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.types import (
     AcquireKind,
-    BlockState,
     Evidence,
     FinishReason,
     RequestId,
 )
-from kvguard.core.verdict import decide
 
 NULL_BLOCK = 0
 NULL_BLOCK_GARBAGE_REFCNT = 7
@@ -327,45 +326,10 @@ def build_report(
     epoch: str = "epoch-1",
     saturation_ratio: float = 0.8,
 ) -> CheckpointReport:
-    """Map a reconciliation onto the public report model (design.md section 7)."""
-    verdict, explanation = decide(rec, saturation_ratio=saturation_ratio)
-    c = rec.states.counts
-    return CheckpointReport(
-        checkpoint_id=checkpoint_id,
-        engine=engine,
-        epoch=epoch,
-        taken_at=taken_at,
-        drained=True,
-        verdict=verdict,
-        pool=PoolReport(
-            capacity=rec.states.capacity,
-            free=c[BlockState.FREE],
-            cached=c[BlockState.CACHED],
-            active=c[BlockState.ACTIVE],
-            held_by_finished=c[BlockState.HELD_BY_FINISHED],
-            orphaned=c[BlockState.ORPHANED],
-            num_free_reported=rec.num_free_reported,
-        ),
-        saturation_ratio=rec.states.saturation_ratio,
-        finished_requests_holding_blocks=rec.finished_requests_holding,
-        leaks=[
-            LeakReport(
-                request_id=f.request_id,
-                client_request_id=f.client_request_id,
-                cause=f.cause,
-                finish_reason=f.finish_reason,
-                path=f.path,
-                blocks=f.blocks,
-                block_ids=list(f.block_ids),
-                held_for_seconds=f.held_for_seconds,
-                evidence=f.evidence,
-                detail=f.detail,
-            )
-            for f in rec.findings
-        ],
-        leaked_blocks_by_cause=rec.leaked_blocks_by_cause(),
-        explanation=explanation,
-    )
+    """The package's own report builder, with test defaults for engine and epoch."""
+    return checkpoint.build_report(rec, checkpoint_id=checkpoint_id, engine=engine,
+                                   epoch=epoch, taken_at=taken_at,
+                                   saturation_ratio=saturation_ratio)
 
 
 # ------------------------------------------------------------ random workloads

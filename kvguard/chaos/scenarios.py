@@ -232,7 +232,12 @@ def _hook_errors(h: EngineHarness) -> str:
     n = h.guard.errors.total
     if n != 3:
         raise NotExercised(f"{n} hook errors counted, expected 3")
-    return "3 exceptions inside kvguard hooks, contained and counted"
+    if h.latest().verdict is not Verdict.SKIPPED:
+        raise NotExercised("the checkpoint after kvguard's own errors was not skipped")
+    h.add(prompt(1310, 40), max_tokens=4)  # the next drained checkpoint is judged again
+    h.run_to_completion()
+    h.drain_scheduler()
+    return "3 exceptions inside kvguard hooks, contained and counted; one checkpoint skipped"
 
 
 def matrix(draft_model_dir: Path | None = None) -> list[Scenario]:
@@ -271,7 +276,8 @@ def matrix(draft_model_dir: Path | None = None) -> list[Scenario]:
                  may_be_unsupported=True, reproduces="vllm #52360 (async store)"),
         Scenario("fail_after_admission", "2 requests fail (FINISHED_ERROR) after admission",
                  _fail_after_admission),
-        Scenario("hook_exceptions", "3 exceptions inside kvguard's own hooks", _hook_errors,
+        Scenario("hook_exceptions", "3 exceptions inside kvguard's own hooks (records then "
+                 "incomplete: one checkpoint skipped, then judged again)", _hook_errors,
                  faults={Fault.HOOK_ERROR: 3}),
         Scenario("fault_skip_free_on_abort", "FAULT: the aborted request's free is skipped",
                  _skip_free_on_abort, verdicts=frozenset({Verdict.LEAK}),

@@ -104,6 +104,16 @@ class OwnershipLedger:
     """
 
     def __init__(self, *, null_block_ids: Iterable[int] = (0,)) -> None:
+        self._null_blocks = frozenset(BlockId(b) for b in null_block_ids)
+        self.num_double_frees = 0
+        self.num_finished_compacted: Counter[FinishReason] = Counter()
+        self.num_events: Counter[str] = Counter()
+        """Monotonic counts (exported as counters): kept across ``reset``."""
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every record and reference, in place (hooks keep their reference to the
+        ledger); the event counters keep counting."""
         self._records: dict[RequestId, RequestRecord] = {}
         # Block -> its owners. Compact on purpose (most blocks have one owner holding
         # one reference): the value is then the owner's RequestId itself (a string the
@@ -111,11 +121,11 @@ class OwnershipLedger:
         self._owners: dict[BlockId, RequestId | dict[RequestId, int]] = {}
         self._unattributed: Counter[BlockId] = Counter()
         self._unattributed_kind: dict[BlockId, AcquireKind] = {}
-        self._null_blocks = frozenset(BlockId(b) for b in null_block_ids)
         self.double_frees: deque[DoubleFreeEvent] = deque(maxlen=DOUBLE_FREE_HISTORY)
-        self.num_double_frees = 0
-        self.num_finished_compacted: Counter[FinishReason] = Counter()
-        self.num_events: Counter[str] = Counter()
+
+    @property
+    def null_block_ids(self) -> frozenset[BlockId]:
+        return self._null_blocks
 
     # ----------------------------------------------------------------- queries
     def record(self, request_id: RequestId) -> RequestRecord | None:

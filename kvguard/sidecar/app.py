@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query
-from fastapi.responses import Response
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.sidecar.control import write_request
@@ -28,9 +30,11 @@ from kvguard.sidecar.models import (
 )
 from kvguard.sidecar.pages.routes import register_pages
 from kvguard.sidecar.store import EngineStore
+from kvguard.transport.reader import ENGINE_NAME_PATTERN
 from kvguard.version import __version__
 
-_ENGINE_NAME = r"^[A-Za-z0-9_.-]{1,128}$"
+_ENGINE_NAME = ENGINE_NAME_PATTERN
+_log = logging.getLogger("kvguard.sidecar")
 
 
 def _drain_view(d: DrainPrediction | None) -> DrainView | None:
@@ -49,8 +53,15 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async def poll() -> None:
+            failed = False
             while True:
-                await asyncio.to_thread(store.refresh)
+                try:
+                    await asyncio.to_thread(store.refresh)
+                except Exception as exc:  # the refresh task must outlive any bad input
+                    if not failed:
+                        _log.error("kvguard sidecar: refresh failed (%s); retrying", exc,
+                                   exc_info=exc)
+                    failed = True
                 await asyncio.sleep(poll_interval_seconds)
 
         task = asyncio.create_task(poll())
@@ -63,6 +74,25 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
                   description="KV-cache block ownership reports and metrics for vLLM engines.")
     registry = CollectorRegistry(auto_describe=True)
     registry.register(KvguardCollector(store))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Every rejection is JSON ``{"detail": ...}``; a 405 lists every method of the path.
+
+        Starlette answers 405 with the methods of the first route whose path
+        matches, so ``/v1/checkpoints`` would advertise ``GET`` only.
+        """
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            methods: set[str] = set()
+            for route in app.router.routes:
+                regex = getattr(route, "path_regex", None)
+                if regex is not None and regex.match(request.url.path):
+                    methods |= set(getattr(route, "methods", None) or ())
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+                            headers=headers)
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
         if control_token is None:
@@ -110,11 +140,14 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
     def checkpoints(
         engine: Annotated[str | None, Query(pattern=_ENGINE_NAME)] = None,
         limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+        epoch: Annotated[str | None, Query(pattern=_ENGINE_NAME,
+                                           description="Only this engine run (each report "
+                                                       "carries its epoch).")] = None,
     ) -> CheckpointsResponse:
         if engine is not None and engine not in store.engines:
             raise HTTPException(404, f"no engine named {engine!r}; known: "
                                      f"{sorted(store.engines) or 'none yet'}")
-        return CheckpointsResponse(checkpoints=store.checkpoints(engine, limit))
+        return CheckpointsResponse(checkpoints=store.checkpoints(engine, limit, epoch=epoch))
 
     @app.post("/v1/checkpoints", response_model=CheckpointRequestResponse, status_code=202,
               dependencies=[Depends(require_token)],

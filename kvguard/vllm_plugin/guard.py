@@ -11,6 +11,7 @@ the engine's own call proceeds as if kvguard were absent.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -97,6 +98,7 @@ class EngineGuard:
         self.current_owner: RequestId | None = None
         """The request whose blocks are being freed right now (set by lifecycle hooks)."""
         self.drain_pending = False
+        self._ledger_errors_seen = 0
         self._checkpoint_requested = False
         self._request_seen_ns = request_mtime_ns(config.run_dir, self.engine)
         self._next_publish = 0.0
@@ -176,6 +178,21 @@ class EngineGuard:
         """Audit the real pool against the ledger now. Callers make sure it is drained."""
         now = time.time() if now is None else now
         t0 = time.perf_counter()
+        lost = self._ledger_errors_since_checkpoint()
+        if lost:
+            # A contained hook failure means the ledger missed events: its owners can
+            # no longer be trusted, and a verdict from it could be a false alarm (a
+            # missed release reads as a double free). Say so, and start a fresh ledger:
+            # from the next drained checkpoint on, any block still referenced shows up
+            # (as an orphan) and a healthy pool is clean again.
+            self.ledger.reset()
+            self._ledger_errors_seen = self._ledger_error_count()
+            return self._record(skipped_report(
+                f"kvguard's ownership records are incomplete ({lost} hook error(s) since the "
+                "last checkpoint, see kvguard_hook_errors_total); it started fresh records "
+                "and judges again at the next drained checkpoint",
+                checkpoint_id=self._take_id(), engine=self.engine, epoch=self.epoch,
+                taken_at=now))
         for rid, ids in all_request_tables(self.kv_cache_manager).items():
             self.ledger.claim(RequestId(rid), ids)
         snapshot = read_pool(self.block_pool)
@@ -193,6 +210,18 @@ class EngineGuard:
                 report = with_attribution(
                     report, self.attributor.checkpoint(report.checkpoint_id, report.pool))
         return self._record(report)
+
+    # Hooks whose failure can leave the ledger short of events (publishing, attribution
+    # and the end-of-step bookkeeping cannot).
+    _NON_LEDGER_HOOKS = frozenset({"publish", "attribution", "update_from_output",
+                                   "finish_requests"})
+
+    def _ledger_error_count(self) -> int:
+        return sum(n for hook, n in self.errors.by_hook.items()
+                   if hook not in self._NON_LEDGER_HOOKS)
+
+    def _ledger_errors_since_checkpoint(self) -> int:
+        return self._ledger_error_count() - self._ledger_errors_seen
 
     def _take_id(self) -> int:
         self._next_checkpoint_id += 1
@@ -257,6 +286,7 @@ def _default_engine_name(scheduler: Any) -> str:
     return f"dp{rank}"
 
 
+@functools.cache
 def _vllm_version() -> str | None:
     try:
         from importlib.metadata import version

@@ -27,6 +27,7 @@ _PATCHED = "__kvguard_patched__"
 
 def register() -> None:
     """Entry point. Idempotent."""
+    _ensure_log_handler()
     try:
         config = KvguardConfig.from_env()
         if not config.enabled:
@@ -50,8 +51,29 @@ def register() -> None:
     setattr(Scheduler, _PATCHED, True)
 
 
+def _ensure_log_handler() -> None:
+    """vLLM's processes configure only vLLM's loggers: give kvguard's one, once.
+
+    Without it, kvguard's lines in EngineCore come out bare (warnings only, no time
+    or process) and its INFO lines are dropped.
+    """
+    logger = logging.getLogger("kvguard")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(
+        "(kvguard pid=%(process)d) %(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
-    """Attach a guard to one scheduler (also usable without the entry point). Never raises."""
+    """Attach a guard to one scheduler (also usable without the entry point). Never raises.
+
+    Returns the guard, or None when kvguard is disabled (``config.enabled`` false) or
+    could not attach; the engine then runs exactly as without kvguard.
+    """
     from kvguard.vllm_plugin.guard import EngineGuard, guard_of
     from kvguard.vllm_plugin.hooks import install_hooks
 
@@ -60,6 +82,11 @@ def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
         return existing
     try:
         config = config or KvguardConfig.from_env()
+        if not config.enabled:
+            # register() already patched Scheduler in this process; an engine built
+            # later with KVGUARD_ENABLED=0 must still get nothing at all.
+            log.info("kvguard disabled for this engine (KVGUARD_ENABLED=0)")
+            return None
         guard = EngineGuard(scheduler, config, FaultPlan.parse(config.faults,
                                                                 allowed=config.allow_faults))
         install_hooks(guard)

@@ -1,0 +1,26 @@
+"""One engine process: a real in-process engine with kvguard runs one round and exits.
+
+``python _engine_once.py MODEL_DIR``; kvguard is configured by the ``KVGUARD_*``
+environment. Prints ``{"epoch": ..., "checkpoints": N, "verdict": ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _reliability import ReliabilityEngine, spec_for
+
+    engine = ReliabilityEngine(spec_for(Path(sys.argv[1])), enabled=True)
+    engine.mixed_round()
+    g = engine.g
+    g.publish()
+    assert g.publisher.flush(30.0)
+    print(json.dumps({"epoch": g.epoch, "checkpoints": len(g.reports),
+                      "verdict": g.reports[-1].verdict.value}), flush=True)
+    os._exit(0)  # an engine process that ends; nothing else to shut down

@@ -41,6 +41,7 @@ class StatePublisher:
         self._pending: EngineState | None = None
         self._wake = threading.Event()
         self._stop = False
+        self._writing = False
         self.drops = 0
         self.writes = 0
         self.errors = 0
@@ -69,8 +70,6 @@ class StatePublisher:
     def close(self) -> None:
         self._stop = True
         self._wake.set()
-
-    _writing = False
 
     def _run(self) -> None:
         while not self._stop:

@@ -4,9 +4,12 @@ One guard per vLLM ``Scheduler`` (one engine core, one block pool). It owns
 the ledger, counts hook errors, decides when a drained checkpoint can be
 taken, runs it, and hands the engine state to the publisher.
 
-Containment: every hook body runs inside ``guard.contain(hook_name)``; an
-exception is counted in ``hook_errors_total`` and logged once per hook, and
-the engine's own call proceeds as if kvguard were absent.
+Containment: every hook body is wrapped (``guard.contain(name)``, or an inline
+``try``/``except`` on the hot pool hooks); an exception is counted in
+``hook_errors_total`` and logged once per hook, and the engine's own call
+proceeds as if kvguard were absent. Because such a failure can leave the ledger
+short of events, the next drained checkpoint is ``skipped`` and the ledger
+starts fresh, rather than risk a false alarm.
 """
 
 from __future__ import annotations

@@ -59,9 +59,11 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         root = workdir or Path(tmp)
         run_dir = root / "run"
         model = make_tiny_model(root / "model")
+        # 511 usable blocks: the long streams (61 blocks each) run side by side without
+        # preemption, so an aborted one holds blocks when it is aborted.
         # --enable-scale-out serves vLLM's abort API, which the workload uses to cancel
         # one stream for certain (a disconnect is noticed only if vLLM writes again).
-        spec = EngineSpec(model_dir=model, num_gpu_blocks_override=128, max_model_len=2048,
+        spec = EngineSpec(model_dir=model, num_gpu_blocks_override=512, max_model_len=2048,
                           max_num_seqs=8, max_num_batched_tokens=2048,
                           extra={"enable_scale_out": True})
         env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),

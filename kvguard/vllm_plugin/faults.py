@@ -35,6 +35,7 @@ class FaultPlan:
 
     def __init__(self, budget: dict[Fault, int] | None = None) -> None:
         self._budget: dict[Fault, int] = dict(budget or {})
+        self._armed: dict[Fault, int] = dict(self._budget)
 
     @classmethod
     def parse(cls, spec: str, *, allowed: bool, quiet: bool = False) -> FaultPlan:
@@ -65,7 +66,9 @@ class FaultPlan:
 
     @property
     def enabled(self) -> list[str]:
-        return [f"{f.value}={n}" for f, n in self._budget.items() if n > 0]
+        """Every armed fault with how often it fired: stays visible after it has fired."""
+        return [f"{f.value} (fired {n - self._budget.get(f, 0)} of {n})"
+                for f, n in self._armed.items() if n > 0]
 
     def __bool__(self) -> bool:
         return any(n > 0 for n in self._budget.values())

@@ -17,7 +17,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
@@ -25,7 +24,7 @@ from tokenizers import Tokenizer
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
 from kvguard.demo.tiny_model import WORDS, make_tiny_model
-from kvguard.demo.workload import stream_completion
+from kvguard.demo.workload import cancel_mid_stream, stream_completion
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.store import EngineStore
 
@@ -55,30 +54,6 @@ def _id_patterns(ids: list[int]) -> list[str]:
         a, b, c = ids[i:i + 3]
         out += [f"{a}, {b}, {c}", f"{a},{b},{c}", f"{a} {b} {c}", f"{a}\n{b}\n{c}"]
     return out
-
-
-def _cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
-    """Stream a completion and cancel it after its first chunk through vLLM's abort API.
-
-    ``POST /inference/v1/abort_requests`` (served with ``--enable-scale-out``) takes the
-    engine-client request id, ``<completion id>-<prompt index>``. Deterministic, unlike a
-    client disconnect, which vLLM notices only when it writes again.
-    """
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0}
-    chunks = 0
-    with httpx.Client(base_url=base_url, timeout=60.0) as client, \
-            client.stream("POST", "/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            chunks += 1
-            if chunks == 1:
-                rid = json.loads(line[5:])["id"]
-                client.post("/inference/v1/abort_requests",
-                            json={"request_ids": [f"{rid}-0"]}).raise_for_status()
-    assert chunks < max_tokens, "the stream ran to the end: not cancelled"
 
 
 def _kvguard_log_records(log_text: str) -> list[str]:
@@ -126,7 +101,8 @@ def test_prompts_never_reach_reports_metrics_logs_or_files(tmp_path: Path) -> No
                                      disconnect_after_chunks=None)
         hung_up = time.time()
         for p in prompts[2:]:  # cancelled mid-stream: aborts; the first one leaks (injected)
-            _cancel_mid_stream(server.base_url, model_name, p, 1900)
+            assert not cancel_mid_stream(server.base_url, model_name, p, 1900), \
+                "the stream ran to the end: not cancelled"
         state = wait_for_checkpoint(run_dir, after=hung_up, engine="canary")
         deadline = time.monotonic() + 60
         while (state.latest_report is None or state.latest_report.verdict.value != "leak") \

@@ -9,6 +9,7 @@ prefix; the README lists them.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -16,6 +17,9 @@ from pathlib import Path
 from kvguard.errors import ConfigError
 
 ENV_PREFIX = "KVGUARD_"
+
+ENGINE_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+"""Engine names: the state file is ``<engine>.json`` and the name is a metric label."""
 
 
 def default_run_dir() -> Path:
@@ -92,6 +96,9 @@ class KvguardConfig:
                 raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
+        if self.engine_name is not None and not re.match(ENGINE_NAME_PATTERN, self.engine_name):
+            raise ConfigError("KVGUARD_ENGINE_NAME", self.engine_name,
+                              "1-128 characters from A-Z a-z 0-9 _ . -")
         for name in ("attribution_warmup_checkpoints", "attribution_min_bytes",
                      "settle_seconds"):
             if getattr(self, name) < 0:

@@ -39,3 +39,14 @@ def test_ruff_is_clean() -> None:
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "kvguard", "tests"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_bad_engine_name_is_refused_with_what_is_allowed() -> None:
+    import pytest
+
+    from kvguard.config import KvguardConfig
+    from kvguard.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"KVGUARD_ENGINE_NAME.*A-Z a-z 0-9"):
+        KvguardConfig.from_env({"KVGUARD_ENGINE_NAME": "dp0/../../etc"})
+    assert KvguardConfig.from_env({"KVGUARD_ENGINE_NAME": "pod-7.dp0"}).engine_name == "pod-7.dp0"

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvguard.config import ENGINE_NAME_PATTERN
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.sidecar.control import write_request
 from kvguard.sidecar.metrics import KvguardCollector
@@ -30,7 +31,6 @@ from kvguard.sidecar.models import (
 )
 from kvguard.sidecar.pages.routes import register_pages
 from kvguard.sidecar.store import EngineStore
-from kvguard.transport.reader import ENGINE_NAME_PATTERN
 from kvguard.version import __version__
 
 _ENGINE_NAME = ENGINE_NAME_PATTERN

@@ -15,18 +15,16 @@ import re
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kvguard.config import ENGINE_NAME_PATTERN
 from kvguard.errors import ProtocolError
 from kvguard.transport.state import STATE_SCHEMA_VERSION, EngineState
 
 MAX_STATE_BYTES = 16 * 1024 * 1024
 """A state file larger than this is rejected unread (a bounded engine never writes one)."""
 
-ENGINE_NAME_PATTERN: Final = r"^[A-Za-z0-9_.-]{1,128}$"
-"""Engine names readers accept: they become file names, metric labels and URL parameters."""
 
 _ENGINE_NAME = re.compile(ENGINE_NAME_PATTERN)
 

@@ -82,6 +82,14 @@ def install_hooks(g: EngineGuard) -> None:
     def claim(rid: RequestId) -> None:
         ledger.claim(rid, request_block_ids(kvm, rid))
 
+    def call_as(rid: RequestId | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call the engine's ``fn`` with ``rid`` as the owner of any block it releases."""
+        prev, g.current_owner = g.current_owner, rid
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            g.current_owner = prev
+
     # --- pool: where blocks move -------------------------------------------
     def make_get_new_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
@@ -146,14 +154,18 @@ def install_hooks(g: EngineGuard) -> None:
             try:
                 rid = RequestId(request.request_id)
                 claim(rid)
-                ledger.on_request_preempted(rid)
             except Exception as exc:
                 errors.record("preempt", exc)
-            prev, g.current_owner = g.current_owner, rid
             try:
-                return orig(request, *args, **kwargs)
+                return call_as(rid, orig, request, *args, **kwargs)
             finally:
-                g.current_owner = prev
+                # After the free inside: the free path claims the request's table again,
+                # which would mark it running; preempted is where it ends up.
+                try:
+                    if rid is not None:
+                        ledger.on_request_preempted(rid)
+                except Exception as exc:
+                    errors.record("preempt", exc)
         return _preempt_request
 
     def make_free_request(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -173,11 +185,9 @@ def install_hooks(g: EngineGuard) -> None:
                     raise RuntimeError("injected kvguard hook failure (KVGUARD_FAULTS=hook_error)")
             except Exception as exc:
                 errors.record("finish", exc)
-            prev, g.current_owner = g.current_owner, rid
             try:
-                return orig(request, *args, **kwargs)
+                return call_as(rid, orig, request, *args, **kwargs)
             finally:
-                g.current_owner = prev
                 try:
                     if rid is not None:
                         requests = getattr(sched, "requests", {})
@@ -197,7 +207,7 @@ def install_hooks(g: EngineGuard) -> None:
             n_deferred = 0
             try:
                 rid = RequestId(request.request_id)
-                claim(rid)
+                claim(rid)  # also reached from delayed-free completions: claim here too
                 n_deferred = len(getattr(sched, "deferred_frees", ()))
                 if g.faults and finish_reason_of(request) is FinishReason.ABORTED \
                         and request_block_ids(kvm, rid):
@@ -209,14 +219,12 @@ def install_hooks(g: EngineGuard) -> None:
                 errors.record("free_request_blocks", exc)
             if skip:
                 return None  # injected fault: the free on this abort path never happens
-            prev, g.current_owner = g.current_owner, rid
             try:
-                ret = orig(request, *args, **kwargs)
-                if double:
-                    pool.free_blocks(list(reversed(double)))  # injected fault: freed twice
+                ret = call_as(rid, orig, request, *args, **kwargs)
+                if double:  # injected fault: freed twice
+                    call_as(rid, pool.free_blocks, list(reversed(double)))
                 return ret
             finally:
-                g.current_owner = prev
                 try:
                     if rid is not None and len(getattr(sched, "deferred_frees", ())) > n_deferred:
                         ledger.on_deferred_free_started(rid)
@@ -231,11 +239,9 @@ def install_hooks(g: EngineGuard) -> None:
                 rid = RequestId(request.request_id)
             except Exception as exc:
                 errors.record("free", exc)
-            prev, g.current_owner = g.current_owner, rid
             try:
-                return orig(request, *args, **kwargs)
+                return call_as(rid, orig, request, *args, **kwargs)
             finally:
-                g.current_owner = prev
                 try:
                     if rid is not None:
                         ledger.on_request_freed(rid, time.time())

@@ -26,7 +26,15 @@ def test_server_with_plugin_publishes_a_report_and_disconnects_leave_no_leak(
         result = run_workload(server.base_url, spec.served_model_name,
                               shared_prefix_streams=6, disconnecting_streams=4)
         assert result.failed == 0 and result.completed >= 6
+        # The drained checkpoint after the last request: the engine publishes it in the
+        # same step as that request's free, so wait for all 10 frees (a checkpoint from
+        # an earlier drain, between the two phases, must not be taken for it).
         state = wait_for_checkpoint(run_dir, after=time.time() - 5.0)
+        deadline = time.monotonic() + 60
+        while state.events_total.get("free", 0) < 10:
+            assert time.monotonic() < deadline, state.events_total
+            time.sleep(0.25)
+            state = wait_for_checkpoint(run_dir, after=0.0)
         # The report came out of the EngineCore process, not this one.
         assert state.pid != server.pid
     report = state.latest_report

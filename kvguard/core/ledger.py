@@ -109,6 +109,8 @@ class OwnershipLedger:
         self.num_finished_compacted: Counter[FinishReason] = Counter()
         self.num_events: Counter[str] = Counter()
         """Monotonic counts (exported as counters): kept across ``reset``."""
+        self._serial = 0
+        """Unattributed acquisitions so far; monotonic across ``reset``."""
         self.reset()
 
     def reset(self) -> None:
@@ -121,6 +123,7 @@ class OwnershipLedger:
         self._owners: dict[BlockId, RequestId | dict[RequestId, int]] = {}
         self._unattributed: Counter[BlockId] = Counter()
         self._unattributed_kind: dict[BlockId, AcquireKind] = {}
+        self._unattributed_serial: dict[BlockId, int] = {}
         self.double_frees: deque[DoubleFreeEvent] = deque(maxlen=DOUBLE_FREE_HISTORY)
 
     @property
@@ -160,6 +163,14 @@ class OwnershipLedger:
 
     def unattributed_kind(self, block_id: BlockId) -> AcquireKind | None:
         return self._unattributed_kind.get(block_id)
+
+    def unattributed_serial(self, block_id: BlockId) -> int:
+        """Which pool call took the block's latest unattributed reference (0: none).
+
+        Serials grow with every unattributed acquisition, so a block freed and taken
+        again between two audits never shows the same serial twice: the online audit
+        uses it to tell a reference nobody claimed from a new one."""
+        return self._unattributed_serial.get(block_id, 0)
 
     @property
     def num_records(self) -> int:
@@ -238,12 +249,15 @@ class OwnershipLedger:
         """Record one reference per block, for ``request_id`` or unattributed."""
         self.num_events[kind.value] += 1
         if request_id is None:
+            self._serial += 1
+            serial = self._serial
             for b in block_ids:
                 bid = BlockId(b)
                 if bid in self._null_blocks:
                     continue
                 self._unattributed[bid] += 1
                 self._unattributed_kind[bid] = kind
+                self._unattributed_serial[bid] = serial
             return
         rec = self._ensure(request_id)
         if rec.phase is RequestPhase.WAITING or rec.phase is RequestPhase.PREEMPTED:
@@ -369,6 +383,7 @@ class OwnershipLedger:
         else:
             del self._unattributed[bid]
             self._unattributed_kind.pop(bid, None)
+            self._unattributed_serial.pop(bid, None)
 
     @staticmethod
     def _release_rank(rec: RequestRecord) -> tuple[int, float]:

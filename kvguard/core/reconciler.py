@@ -253,6 +253,21 @@ def _count_falsy(seq: Sequence[object]) -> int:
     return sum(1 for x in seq if not x)
 
 
+def judge_block(
+    b: BlockId, rc: int, is_cached: bool, in_free_queue: bool | None,
+    ledger: OwnershipLedger, opts: ReconcileOptions,
+) -> list[Finding]:
+    """The findings of one block alone (one per culprit), as a full audit would state them.
+
+    Used by the online audit to word a confirmed suspect; holds within their bound
+    are not filtered here (the caller judged them already).
+    """
+    out = _Collector(opts)
+    dbl = next((e for e in reversed(ledger.double_frees) if e.block_id == b), None)
+    _classify(b, rc, is_cached, in_free_queue, ledger, dbl, {s: 0 for s in BlockState}, out)
+    return list(out.groups.values())
+
+
 def _is_legit_holder(ledger: OwnershipLedger, rid: RequestId, opts: ReconcileOptions) -> bool:
     rec = ledger.record(rid)
     return rec is not None and _hold_is_legitimate(rec, opts)

@@ -137,7 +137,10 @@ class Leak:
 class Harness:
     """The engine: changes the reference pool and feeds the ledger the hook events."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, *, lazy_claims: bool = False) -> None:
+        self.lazy_claims = lazy_claims
+        """Like the real vLLM hooks: pool-level acquisitions are claimed only at the
+        request's next transition (finish, preempt) or by an audit, not right away."""
         self.pool = RefPool(num_blocks)
         self.ledger = OwnershipLedger(null_block_ids=(NULL_BLOCK,))
         self.reqs: dict[RequestId, Req] = {}
@@ -182,7 +185,7 @@ class Harness:
         req.blocks.extend(ids)
         req.phase = "running"
         self.ledger.on_blocks_acquired(req.rid if attributed else None, ids, AcquireKind.ALLOCATE)
-        if not attributed:
+        if not attributed and not self.lazy_claims:
             self.ledger.claim(req.rid, req.blocks)
         for b, h in zip(ids, hash_mask, strict=False):
             if h:
@@ -200,7 +203,12 @@ class Harness:
         self.ledger.on_blocks_acquired(
             req.rid if attributed else None, blocks, AcquireKind.PREFIX_HIT
         )
-        if not attributed:
+        if not attributed and not self.lazy_claims:
+            self.ledger.claim(req.rid, req.blocks)
+
+    def _claim_at_transition(self, req: Req) -> None:
+        """The lifecycle hooks claim the request's table before its blocks move."""
+        if self.lazy_claims:
             self.ledger.claim(req.rid, req.blocks)
 
     def _release(self, req: Req, *, attributed: bool) -> None:
@@ -212,6 +220,7 @@ class Harness:
         """``_preempt_request``: free everything, back to the waiting queue."""
         assert req.phase != "finished"
         self.tick()
+        self._claim_at_transition(req)
         self.ledger.on_request_preempted(req.rid)
         self._release(req, attributed=attributed)
         req.phase = "waiting"
@@ -227,6 +236,7 @@ class Harness:
         """Finish (stop, length, abort, error...) and free the request's blocks."""
         assert req.phase != "finished"
         at = self.tick()
+        self._claim_at_transition(req)
         self.ledger.on_request_finished(req.rid, reason, at)
         if double_free_block is not None:
             assert double_free_block in req.blocks
@@ -259,6 +269,7 @@ class Harness:
         """FAULT: the request is aborted, the engine forgets it, its blocks stay referenced."""
         assert req.phase != "finished"
         at = self.tick()
+        self._claim_at_transition(req)
         self.ledger.on_request_finished(req.rid, FinishReason.ABORTED, at)
         if declare_freed:
             self.ledger.on_request_freed(req.rid, at)
@@ -381,3 +392,37 @@ def random_clean_ops(h: Harness, data, n_ops: int, *, style: str = "attributed")
                                                 FinishReason.ABORTED, FinishReason.ERROR]),
                                label="reason")
             h.finish(req, reason, attributed=attributed())
+
+
+class HarnessPoolAccess:
+    """The online audit's view of a ``Harness`` (what the vLLM adapter reads from vLLM)."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+
+    @property
+    def num_blocks(self) -> int:
+        return self.h.pool.num_blocks
+
+    @property
+    def null_block_ids(self) -> frozenset[int]:
+        return frozenset({NULL_BLOCK})
+
+    def read(self, lo: int, hi: int) -> tuple[list[int], list[bool], int | None]:
+        p = self.h.pool
+        in_q = set(p.queue)
+        out_of_queue = sum(1 for b in range(lo, hi) if b not in in_q)
+        return p.ref[lo:hi], [b in p.hashed for b in range(lo, hi)], out_of_queue
+
+    def in_free_queue(self, lo: int, hi: int) -> list[bool]:
+        in_q = set(self.h.pool.queue)
+        return [b in in_q for b in range(lo, hi)]
+
+    def request_ids(self) -> list[str]:
+        return [r.rid for r in self.h.reqs.values() if r.phase != "finished" and r.blocks]
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        return list(self.h.reqs[RequestId(request_id)].blocks)
+
+    def num_free(self) -> int:
+        return self.h.pool.num_free

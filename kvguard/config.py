@@ -38,8 +38,10 @@ class KvguardConfig:
     """Directory for the engine's state file (created owner-only, mode 0700)."""
     engine_name: str | None = None
     """The ``engine`` label. Default: ``dp<data-parallel rank>`` (``dp0``)."""
-    delayed_free_bound_seconds: float = 30.0
-    """How long a finished request may hold blocks while its KV transfer completes."""
+    delayed_free_bound_seconds: float | None = None
+    """How long a finished request may hold blocks while its KV transfer completes.
+    Unset: the KV connector's own timeout when vLLM exposes one (NIXL's lease,
+    Mooncake's abort timeout), else 30 s."""
     saturation_ratio: float = 0.8
     """Cached share of capacity at which a clean pool is reported ``saturated``."""
     checkpoint_min_interval_seconds: float = 1.0
@@ -69,6 +71,12 @@ class KvguardConfig:
     """Return allocator cache (``gc.collect`` + ``empty_cache``) at drained checkpoints only."""
     settle_seconds: float = 0.5
     """Wait after that cache return before reading process-level numbers (no return: no wait)."""
+    online_audit: bool = True
+    """Audit ownership between engine steps under load, without waiting for a drain."""
+    online_budget_fraction: float = 0.01
+    """Audit time per second of step time (0.01: 1 %); sets how fast a sweep covers the pool."""
+    online_max_pause_seconds: float = 0.002
+    """Most audit time at one step boundary (an idle gap never buys a longer pause)."""
     snapshot_dir: Path | None = None
     """Where a checkpoint that finds tensor growth writes a PyTorch memory snapshot (CUDA)."""
 
@@ -91,9 +99,13 @@ class KvguardConfig:
             raise ConfigError("KVGUARD_SATURATION_RATIO", self.saturation_ratio,
                               "a ratio in (0, 1]")
         for name in ("delayed_free_bound_seconds", "checkpoint_min_interval_seconds",
-                     "publish_interval_seconds"):
-            if getattr(self, name) < 0:
+                     "publish_interval_seconds", "online_max_pause_seconds"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
                 raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")
+        if not 0.0 < self.online_budget_fraction <= 0.5:
+            raise ConfigError("KVGUARD_ONLINE_BUDGET_FRACTION", self.online_budget_fraction,
+                              "a fraction of step time in (0, 0.5], e.g. 0.01")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
         if self.engine_name is not None and not re.match(ENGINE_NAME_PATTERN, self.engine_name):

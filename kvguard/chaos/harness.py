@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvguard.core.report import CheckpointReport
+from kvguard.core.types import Evidence
 from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
 from kvguard.errors import KvguardError
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
@@ -88,9 +89,15 @@ class EngineHarness:
                         and not len(self.scheduler.waiting), max_seconds=max_seconds)
 
     def latest(self) -> CheckpointReport:
-        if not self.guard.reports:
-            raise KvguardError("no checkpoint was taken: the engine never drained")
-        return self.guard.reports[-1]
+        """The latest drained checkpoint (taken or skipped); online reports are not."""
+        for r in reversed(self.guard.reports):
+            if r.evidence is Evidence.DRAINED:
+                return r
+        raise KvguardError("no checkpoint was taken: the engine never drained")
+
+    def online_reports(self) -> list[CheckpointReport]:
+        """Reports of the online audit, oldest first."""
+        return [r for r in self.guard.reports if r.evidence is Evidence.ONLINE]
 
     def num_usable(self) -> int:
         return int(self.pool.num_gpu_blocks) - 1

@@ -176,7 +176,7 @@ def _delayed_free_never(h: EngineHarness) -> str:
     h.run_to_completion()
     h.step_until(lambda: bool(h.guard.reports) and h.latest().verdict is Verdict.LEAK,
                  max_steps=10**6, pause_seconds=0.005,
-                 max_seconds=h.guard.config.delayed_free_bound_seconds + 20)
+                 max_seconds=h.guard.delayed_free_bound + 20)
     return f"never-1 holds {h.blocks_of('never-1')} blocks past the bound"
 
 

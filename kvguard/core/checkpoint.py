@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from kvguard.core.findings import Finding, Reconciliation
-from kvguard.core.report import CheckpointReport, LeakReport, PoolReport
-from kvguard.core.types import BlockState, Verdict
-from kvguard.core.verdict import decide, skipped_explanation
+from kvguard.core.online import SweepResult
+from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport, PoolReport
+from kvguard.core.types import BlockState, Evidence, Verdict
+from kvguard.core.verdict import decide, decide_online, skipped_explanation
 
 
 def pool_report(rec: Reconciliation) -> PoolReport:
@@ -62,6 +63,40 @@ def build_report(
         leaked_blocks_by_cause=rec.leaked_blocks_by_cause(),
         explanation=explanation,
         audit_seconds=audit_seconds,
+    )
+
+
+def online_report(
+    result: SweepResult,
+    *,
+    checkpoint_id: int,
+    engine: str,
+    epoch: str,
+    taken_at: float,
+    saturation_ratio: float,
+    sweep: OnlineSweepReport,
+) -> CheckpointReport:
+    """The report of an online sweep (``evidence: online``, ``drained: false``)."""
+    rec = result.reconciliation()
+    verdict, explanation = decide_online(
+        rec, sweep_steps=sweep.sweep_steps, sweep_seconds=sweep.sweep_seconds,
+        saturation_ratio=saturation_ratio)
+    return CheckpointReport(
+        checkpoint_id=checkpoint_id,
+        engine=engine,
+        epoch=epoch,
+        taken_at=taken_at,
+        drained=False,
+        verdict=verdict,
+        pool=pool_report(rec),
+        saturation_ratio=min(1.0, rec.states.saturation_ratio),
+        finished_requests_holding_blocks=rec.finished_requests_holding,
+        leaks=[leak_report(f) for f in rec.findings],
+        leaked_blocks_by_cause=rec.leaked_blocks_by_cause(),
+        explanation=explanation,
+        audit_seconds=result.busy_seconds,
+        evidence=Evidence.ONLINE,
+        online=sweep,
     )
 
 

@@ -201,6 +201,11 @@ class OwnershipLedger:
             admitted_at=at,
         )
 
+    def adopt(self, request_id: RequestId, at: float) -> None:
+        """Track a request first met mid-life (records rebuilt from the engine's tables).
+        Counts no event."""
+        self._ensure(request_id, at)
+
     def on_request_preempted(self, request_id: RequestId) -> None:
         self.num_events["preempt"] += 1
         rec = self._ensure(request_id)

@@ -266,6 +266,26 @@ class AttributionReport(_Model):
     summary: str = ""
 
 
+class OnlineSweepReport(_Model):
+    """How the online audit behind a report covered the pool (``evidence: online``).
+
+    Block states in ``pool`` are counted over the sweep, each block once, at the
+    moment its slice was read: they sum to capacity but are not one instant.
+    """
+
+    sweep_steps: int = Field(ge=0, description="Engine steps one full sweep took (K).")
+    sweep_seconds: float = Field(ge=0.0, description="Wall time of that sweep.")
+    audit_seconds: float = Field(ge=0.0, description="Audit time spent in that sweep.")
+    budget_fraction: float = Field(ge=0.0, le=1.0,
+                                   description="Audit time allowed per second of step time.")
+    detection_latency_steps: int = Field(
+        ge=0, description="Worst case from a leak to its report: three sweeps, in steps.")
+    detection_latency_seconds: float = Field(
+        ge=0.0, description="The same in seconds, at the last sweep's pace; delayed and "
+        "deferred frees count from their bound.")
+    delayed_free_bound_seconds: float = Field(ge=0.0)
+
+
 class CheckpointReport(_Model):
     """The outcome of one checkpoint of one engine."""
 
@@ -288,3 +308,8 @@ class CheckpointReport(_Model):
     attribution: AttributionReport | None = None
     explanation: str
     audit_seconds: float = Field(ge=0.0, default=0.0, description="Time the audit took.")
+    evidence: Evidence = Field(
+        default=Evidence.DRAINED,
+        description="drained: a checkpoint with no work in flight (judges ownership and "
+        "memory); online: a step-boundary sweep under load (judges ownership only).")
+    online: OnlineSweepReport | None = None

@@ -66,6 +66,25 @@ def decide(
     )
 
 
+def decide_online(
+    rec: Reconciliation, *, sweep_steps: int, sweep_seconds: float,
+    saturation_ratio: float = SATURATION_RATIO_DEFAULT,
+) -> tuple[Verdict, str]:
+    """The verdict of an online sweep: ownership only, under load."""
+    head = (f"Online audit under load (no drain needed): every block was judged between "
+            f"engine steps over a sweep of {sweep_steps} steps ({sweep_seconds:.2f} s); a "
+            "finding is reported only after two consecutive sweeps saw it. It judges block "
+            "ownership only: allocator and device memory wait for a drained checkpoint.\n")
+    verdict, text = decide(rec, saturation_ratio=saturation_ratio)
+    if verdict is Verdict.CLEAN:
+        c = rec.states.counts
+        text = (f"No leak: every referenced block belongs to a live request or to a transfer "
+                f"within its bound ({c[BlockState.ACTIVE]} active, "
+                f"{c[BlockState.HELD_BY_FINISHED]} held by transfers, {c[BlockState.FREE]} "
+                f"free, {c[BlockState.CACHED]} cached of {rec.states.capacity}). Nothing to do.")
+    return verdict, head + text
+
+
 def skipped_explanation(reason: str) -> str:
     return (
         f"No verdict: the engine was not drained ({reason}). A residual taken while work is in "

@@ -15,6 +15,25 @@ from kvguard.core.report import CheckpointReport, PoolReport
 STATE_SCHEMA_VERSION = 1
 
 
+class OnlineState(BaseModel):
+    """The online audit's counters (present when it is on)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    budget_fraction: float
+    sweeps_total: int = 0
+    audit_seconds_total: float = Field(default=0.0, description="Time spent auditing, s.")
+    blocks_audited_total: int = 0
+    last_sweep_steps: int = 0
+    last_sweep_seconds: float = 0.0
+    last_sweep_at: float | None = None
+    detection_latency_steps: int = 0
+    detection_latency_seconds: float = 0.0
+    pending_blocks: int = Field(default=0, description="Suspect once, awaiting a second audit.")
+    confirmed_blocks: int = 0
+    restarts_total: int = 0
+
+
 class EngineState(BaseModel):
     """One engine's state as published: written by the engine, read by readers."""
 
@@ -40,6 +59,9 @@ class EngineState(BaseModel):
     hook_errors_total: int = 0
     hook_errors_by_hook: dict[str, int] = Field(default_factory=dict)
     checkpoints_total: dict[str, int] = Field(default_factory=dict)
+    online_checkpoints_total: dict[str, int] = Field(
+        default_factory=dict, description="The part of checkpoints_total from online audits.")
+    online: OnlineState | None = None
     publish_drops_total: int = 0
     drain: DrainPrediction | None = Field(default=None, description="When the next drain can be.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")

@@ -27,19 +27,22 @@ from typing import Any
 from kvguard.attribution.attributor import Attributor, with_attribution
 from kvguard.attribution.setup import attributor_for_vllm
 from kvguard.config import KvguardConfig
-from kvguard.core.checkpoint import build_report, pool_report, skipped_report
+from kvguard.core.checkpoint import build_report, online_report, pool_report, skipped_report
 from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
-from kvguard.core.report import CheckpointReport, PoolReport
-from kvguard.core.types import RequestId
+from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
+from kvguard.core.types import Evidence, RequestId, Verdict
 from kvguard.sidecar.control import request_mtime_ns
 from kvguard.transport.publisher import StatePublisher
-from kvguard.transport.state import EngineState
+from kvguard.transport.state import EngineState, OnlineState
 from kvguard.version import __version__
+from kvguard.vllm_plugin.connector_bounds import HoldBound, connector_hold_bound
 from kvguard.vllm_plugin.drain import drain_state
 from kvguard.vllm_plugin.faults import FaultPlan
-from kvguard.vllm_plugin.pool_reader import all_request_tables, read_pool
+from kvguard.vllm_plugin.finish import finish_reason_of
+from kvguard.vllm_plugin.pool_reader import VllmPoolAccess, all_request_tables, read_pool
 
 log = logging.getLogger("kvguard")
 
@@ -81,7 +84,10 @@ class EngineGuard:
 
     def __init__(self, scheduler: Any, config: KvguardConfig, faults: FaultPlan) -> None:
         self.scheduler = scheduler
-        self.config = config
+        self.hold_bound: HoldBound = connector_hold_bound(getattr(scheduler, "vllm_config", None))
+        """The KV connector's own bound for delayed frees (used unless configured)."""
+        self.online: OnlineAuditor | None = None
+        self._config = config
         self.faults = faults
         self.kv_cache_manager = scheduler.kv_cache_manager
         self.block_pool = self.kv_cache_manager.block_pool
@@ -110,7 +116,39 @@ class EngineGuard:
         self.attributor: Attributor | None = attributor_for_vllm(
             scheduler, config, name=f"{self.engine}-{self.epoch}")
         """Memory attribution at drained checkpoints (None: off or not buildable)."""
+        self.online_checkpoints_total: Counter[str] = Counter()
+        self._online_key: frozenset[tuple[str, str | None, str, int]] | None = None
+        """The findings of the last report (online or drained): online reports only on change."""
+        self._last_sweep: SweepResult | None = None
+        self.config = config  # builds the online auditor
         _GUARDS[self.engine] = self
+
+    @property
+    def config(self) -> KvguardConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: KvguardConfig) -> None:
+        """Settings can be replaced at run time (tests, staging); the online audit follows."""
+        self._config = config
+        if not config.online_audit:
+            self.online = None
+            return
+        opts = OnlineOptions(budget_fraction=config.online_budget_fraction,
+                             max_pause_seconds=config.online_max_pause_seconds,
+                             delayed_free_bound_seconds=self.delayed_free_bound)
+        if self.online is None:
+            self.online = OnlineAuditor(VllmPoolAccess(self.kv_cache_manager), self.ledger, opts)
+        else:
+            self.online.opts = opts
+            self.online.budget.fraction = opts.budget_fraction
+            self.online.budget.max_credit = opts.max_pause_seconds
+
+    @property
+    def delayed_free_bound(self) -> float:
+        """Seconds a delayed free may last: configured, else the connector's own bound."""
+        configured = self._config.delayed_free_bound_seconds
+        return configured if configured is not None else self.hold_bound.seconds
 
     @staticmethod
     def _unique_name(name: str) -> str:
@@ -141,10 +179,15 @@ class EngineGuard:
         """Take a checkpoint at the next hook opportunity (skipped if not drained)."""
         self._checkpoint_requested = True
 
-    def on_step_end(self) -> None:
-        """Per engine step (after ``update_from_output``) and after aborts. Cheap when idle."""
+    def on_step_end(self, *, step: bool = False) -> None:
+        """Per engine step (after ``update_from_output``, ``step=True``) and after aborts.
+
+        Cheap when idle: the online audit spends only its budget (see kvguard.core.online).
+        """
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
+        if step and self.online is not None:
+            self._online_step()
         now = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + self.config.publish_interval_seconds
@@ -160,7 +203,7 @@ class EngineGuard:
 
     def maybe_checkpoint(self) -> CheckpointReport | None:
         now = time.time()
-        ds = drain_state(self.scheduler, self.ledger, now, self.config.delayed_free_bound_seconds)
+        ds = drain_state(self.scheduler, self.ledger, now, self.delayed_free_bound)
         if not ds.drained:
             if self._checkpoint_requested:
                 self._checkpoint_requested = False
@@ -200,7 +243,7 @@ class EngineGuard:
             self.ledger.claim(RequestId(rid), ids)
         snapshot = read_pool(self.block_pool)
         rec = reconcile(snapshot, self.ledger, ReconcileOptions(
-            now=now, delayed_free_bound_seconds=self.config.delayed_free_bound_seconds))
+            now=now, delayed_free_bound_seconds=self.delayed_free_bound))
         report = build_report(
             rec, checkpoint_id=self._take_id(), engine=self.engine, epoch=self.epoch,
             taken_at=now, saturation_ratio=self.config.saturation_ratio,
@@ -212,7 +255,95 @@ class EngineGuard:
             with self.contain("attribution"):
                 report = with_attribution(
                     report, self.attributor.checkpoint(report.checkpoint_id, report.pool))
+        if self.online is not None:
+            # A drained audit supersedes what the online audit had: it starts over, and
+            # reports again only when its confirmed findings differ from these.
+            self.online.restart()
+            self._online_key = _findings_key(report)
         return self._record(report)
+
+    # ----------------------------------------------------------- online audit
+    def _online_step(self) -> None:
+        online = self.online
+        assert online is not None
+        if self._ledger_errors_since_checkpoint():
+            self._resync_ledger()
+        result = online.step(time.perf_counter(), time.time())
+        if result is not None:
+            self._on_sweep(result)
+
+    def _resync_ledger(self) -> None:
+        """After a contained hook failure under load: rebuild the ledger from the engine.
+
+        The ledger may have missed events, and a busy server may never drain (where a
+        drained checkpoint would start fresh records). Every request with a block table
+        is adopted with its blocks, finished ones (transfers in flight) as delayed frees
+        starting now; any reference left over is then judged like any other.
+        """
+        self.ledger.reset()
+        now = time.time()
+        requests = getattr(self.scheduler, "requests", {}) or {}
+        for rid, ids in all_request_tables(self.kv_cache_manager).items():
+            r = RequestId(rid)
+            self.ledger.adopt(r, now)
+            self.ledger.claim(r, ids)
+            req = requests.get(rid)
+            if req is not None and req.is_finished():
+                self.ledger.on_request_finished(r, finish_reason_of(req), now)
+                self.ledger.on_delayed_free_started(r, now)
+        self._ledger_errors_seen = self._ledger_error_count()
+        if self.online is not None:
+            self.online.restart()
+        log.warning("kvguard on %s: ownership records rebuilt from the engine's block tables "
+                    "after a contained hook failure; online findings start over", self.engine)
+
+    def _on_sweep(self, result: SweepResult) -> None:
+        online = self.online
+        assert online is not None
+        self._last_sweep = result
+        self.last_pool = pool_report(result.reconciliation())
+        if not result.can_confirm:
+            return
+        key = frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)
+                        for f in result.findings)
+        if key == self._online_key:
+            return  # nothing new to say
+        self._online_key = key
+        self._record(online_report(
+            result, checkpoint_id=self._take_id(), engine=self.engine, epoch=self.epoch,
+            taken_at=time.time(), saturation_ratio=self.config.saturation_ratio,
+            sweep=self._sweep_report(result)))
+
+    def _sweep_report(self, result: SweepResult) -> OnlineSweepReport:
+        online = self.online
+        assert online is not None
+        return OnlineSweepReport(
+            sweep_steps=result.steps, sweep_seconds=result.seconds,
+            audit_seconds=result.busy_seconds,
+            budget_fraction=online.opts.budget_fraction,
+            detection_latency_steps=3 * result.steps,
+            detection_latency_seconds=3 * result.seconds,
+            delayed_free_bound_seconds=online.opts.delayed_free_bound_seconds)
+
+    def online_state(self) -> OnlineState | None:
+        online = self.online
+        if online is None:
+            return None
+        st = online.stats
+        return OnlineState(
+            budget_fraction=online.opts.budget_fraction,
+            sweeps_total=st.sweeps_total,
+            audit_seconds_total=st.busy_seconds_total,
+            blocks_audited_total=st.blocks_audited_total,
+            last_sweep_steps=st.last_sweep_steps,
+            last_sweep_seconds=st.last_sweep_seconds,
+            last_sweep_at=st.last_sweep_at,
+            detection_latency_steps=3 * st.last_sweep_steps,
+            detection_latency_seconds=3 * st.last_sweep_seconds,
+            pending_blocks=online.pending_blocks,
+            confirmed_blocks=len(online.confirmed),
+            restarts_total=st.restarts_total,
+        )
 
     # Hooks whose failure can leave the ledger short of events (publishing, attribution
     # and the end-of-step bookkeeping cannot).
@@ -233,9 +364,11 @@ class EngineGuard:
     def _record(self, report: CheckpointReport) -> CheckpointReport:
         self.reports.append(report)
         self.checkpoints_total[report.verdict.value] += 1
-        if report.verdict.value == "leak":
-            log.warning("kvguard checkpoint %d on %s: LEAK\n%s", report.checkpoint_id,
-                        self.engine, report.explanation)
+        if report.evidence is Evidence.ONLINE:
+            self.online_checkpoints_total[report.verdict.value] += 1
+        if report.verdict is Verdict.LEAK:
+            log.warning("kvguard %s checkpoint %d on %s: LEAK\n%s", report.evidence.value,
+                        report.checkpoint_id, self.engine, report.explanation)
         else:
             log.info("kvguard checkpoint %d on %s: %s", report.checkpoint_id, self.engine,
                      report.verdict.value)
@@ -270,6 +403,8 @@ class EngineGuard:
             hook_errors_total=self.errors.total,
             hook_errors_by_hook=dict(self.errors.by_hook),
             checkpoints_total=dict(self.checkpoints_total),
+            online_checkpoints_total=dict(self.online_checkpoints_total),
+            online=self.online_state(),
             publish_drops_total=self.publisher.drops,
             drain=self.drain_prediction(),
             reports=list(self.reports),
@@ -281,6 +416,13 @@ class EngineGuard:
 
     def close(self) -> None:
         self.publisher.close()
+
+
+def _findings_key(report: CheckpointReport) -> frozenset[tuple[str, str | None, str, int]]:
+    """What a report says about leaks, for "has anything changed": cause, request, path,
+    blocks per finding."""
+    return frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)
+                     for f in report.leaks)
 
 
 def _default_engine_name(scheduler: Any) -> str:

@@ -33,26 +33,13 @@ from typing import Any
 
 from kvguard.core.types import AcquireKind, FinishReason, RequestId
 from kvguard.vllm_plugin.faults import Fault
+from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 log = logging.getLogger("kvguard")
 
-_FINISH_REASONS = {
-    "FINISHED_STOPPED": FinishReason.STOPPED,
-    "FINISHED_LENGTH_CAPPED": FinishReason.LENGTH,
-    "FINISHED_ABORTED": FinishReason.ABORTED,
-    "FINISHED_IGNORED": FinishReason.IGNORED,
-    "FINISHED_ERROR": FinishReason.ERROR,
-    "FINISHED_REPETITION": FinishReason.REPETITION,
-}
-
 _MARK = "__kvguard_hook__"
-
-
-def finish_reason_of(request: Any) -> FinishReason:
-    name = getattr(getattr(request, "status", None), "name", "")
-    return _FINISH_REASONS.get(name, FinishReason.UNKNOWN)
 
 
 def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -251,11 +238,13 @@ def install_hooks(g: EngineGuard) -> None:
         return _free_blocks
 
     def make_step_end(hook: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        is_step = hook == "update_from_output"  # the end of an engine step: online audit
+
         def make(orig: Callable[..., Any]) -> Callable[..., Any]:
             def step_end(*args: Any, **kwargs: Any) -> Any:
                 ret = orig(*args, **kwargs)
                 try:
-                    g.on_step_end()
+                    g.on_step_end(step=is_step)
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret

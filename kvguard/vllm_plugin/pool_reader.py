@@ -73,3 +73,56 @@ def all_request_tables(kv_cache_manager: Any) -> dict[str, list[int]]:
 def _single_type_managers(kv_cache_manager: Any) -> list[Any]:
     coord = getattr(kv_cache_manager, "coordinator", None)
     return list(getattr(coord, "single_type_managers", ()) or ())
+
+
+_PREV = attrgetter("prev_free_block")
+
+
+class VllmPoolAccess:
+    """The online audit's view of one vLLM ``BlockPool`` and its block tables.
+
+    Every read is a C-level pass over a slice of ``block_pool.blocks``; call it on
+    the scheduler thread between steps (``update_from_output`` has returned).
+    """
+
+    def __init__(self, kv_cache_manager: Any) -> None:
+        self._kvm = kv_cache_manager
+        self._pool = kv_cache_manager.block_pool
+        self._blocks: list[Any] = self._pool.blocks
+        null = getattr(self._pool, "null_block", None)
+        self._nulls = frozenset({null.block_id}) if null is not None else frozenset()
+        self._hash = _HASH if self._blocks and hasattr(self._blocks[0], "_block_hash") \
+            else _HASH_PROPERTY
+        self._has_queue = bool(self._blocks) and hasattr(self._blocks[0], "prev_free_block")
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def null_block_ids(self) -> frozenset[int]:
+        return self._nulls
+
+    def read(self, lo: int, hi: int) -> tuple[list[int], list[Any], int | None]:
+        sl = self._blocks[lo:hi]
+        refs: list[int] = list(map(_REF_CNT, sl))
+        cached: list[Any] = list(map(self._hash, sl))
+        out_of_queue = list(map(_PREV, sl)).count(None) if self._has_queue else None
+        return refs, cached, out_of_queue
+
+    def in_free_queue(self, lo: int, hi: int) -> list[bool]:
+        return [b.prev_free_block is not None for b in self._blocks[lo:hi]]
+
+    def request_ids(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for mgr in _single_type_managers(self._kvm):
+            for rid, blocks in mgr.req_to_blocks.items():
+                if blocks:
+                    seen[rid] = None
+        return list(seen)
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        return request_block_ids(self._kvm, request_id)
+
+    def num_free(self) -> int:
+        return int(self._pool.get_num_free_blocks())

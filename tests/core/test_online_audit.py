@@ -246,7 +246,7 @@ def test_a_delayed_free_is_legitimate_until_its_bound_then_a_leak() -> None:
 
 
 def test_a_leak_that_is_fixed_before_confirmation_is_never_reported() -> None:
-    h, reqs = busy_engine(64)
+    h, _ = busy_engine(64)
     d = Driver(h)
     d.sweep()
     stray = h.pool.queue[-1]

@@ -1,0 +1,183 @@
+"""The online audit in a real vLLM engine that never drains.
+
+A sustained workload keeps requests waiting behind the running ones at every
+step (the drain model says it does not drain, and no drained checkpoint is
+ever taken). Each injected leak class of the chaos suite must then be found by
+the online audit, with the right cause, path and request, within the latency
+kvguard states (three sweeps); a long run of the same kind of workload with
+preemptions, aborts and prefix hits but no fault must give no finding at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from conftest import Harness
+
+from kvguard.chaos.harness import prompt
+from kvguard.chaos.sustained import SustainedLoad
+from kvguard.core.report import CheckpointReport
+from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
+from kvguard.vllm_plugin.faults import Fault, FaultPlan
+
+
+class Watch:
+    """Steps a sustained load until an online leak report appears; records sweep sizes."""
+
+    def __init__(self, h: Harness, load: SustainedLoad) -> None:
+        self.h = h
+        self.load = load
+        self.max_sweep_steps = 0
+
+    def until_online_leak(self, max_steps: int = 3000) -> tuple[CheckpointReport, int]:
+        online = self.h.guard.online
+        assert online is not None
+        for n in range(1, max_steps + 1):
+            self.load.step()
+            self.max_sweep_steps = max(self.max_sweep_steps, online.stats.last_sweep_steps)
+            leaks = [r for r in self.h.online_reports() if r.verdict is Verdict.LEAK]
+            if leaks:
+                return leaks[-1], n
+        raise AssertionError(f"no online leak report in {max_steps} steps")
+
+
+def never_draining(engines, **spec: object) -> tuple[Harness, SustainedLoad]:  # type: ignore[no-untyped-def]
+    h: Harness = engines(**spec)
+    load = SustainedLoad(h)
+    load.step(150)  # warm up: several sweeps, rates measured
+    assert not any(r.evidence is Evidence.DRAINED for r in h.guard.reports)
+    prediction = h.guard.drain_prediction()
+    assert not prediction.drains, prediction.explanation
+    assert load.in_flight() > load.concurrency  # a backlog waits at every step
+    return h, load
+
+
+def test_a_long_run_that_never_drains_gives_no_finding(engines) -> None:  # type: ignore[no-untyped-def]
+    """3,000 steps with preemptions, aborts of running and queued requests, prefix hits."""
+    h: Harness = engines(num_gpu_blocks_override=24, max_model_len=256)
+    load = SustainedLoad(h, concurrency=8, backlog=3, prompt_tokens=60, max_tokens=60)
+    for _ in range(30):
+        load.step(100)
+        running = [r.request_id.rsplit("-", 1)[0] for r in list(h.scheduler.running)[:1]]
+        waiting = [r.request_id.rsplit("-", 1)[0] for r in list(h.scheduler.waiting)[:1]]
+        h.abort(*(running + waiting))
+    g = h.guard
+    ev = g.ledger.num_events
+    assert ev["preempt"] > 50 and ev["prefix_hit"] > 50 and ev["finish_aborted"] > 30, ev
+    assert not g.drain_prediction().drains
+    assert not [r for r in g.reports if r.evidence is Evidence.DRAINED]
+    online = g.online_state()
+    assert online is not None and online.sweeps_total > 100
+    reports = h.online_reports()
+    assert reports, "the online audit reports once it can confirm (a clean report here)"
+    assert all(r.verdict in (Verdict.CLEAN, Verdict.SATURATED) and not r.leaks
+               for r in reports), [r.explanation for r in reports]
+    assert online.confirmed_blocks == 0
+    assert g.errors.total == 0
+
+
+@pytest.mark.parametrize(("fault", "cause", "path", "names_victim"), [
+    (Fault.SKIP_FREE_ON_ABORT, LeakCause.FINISHED_REQUEST, LeakPath.ABORT, True),
+    (Fault.DOUBLE_FREE_ON_ABORT, LeakCause.DOUBLE_FREE, LeakPath.ABORT, True),
+    (Fault.REFCOUNT_BUMP, LeakCause.ORPHAN, None, False),
+])
+def test_each_injected_leak_is_found_online_within_three_sweeps(
+    engines, fault: Fault, cause: LeakCause, path: LeakPath | None,  # type: ignore[no-untyped-def]
+    names_victim: bool,
+) -> None:
+    # A double-freed block must not be handed out again before the audit saw it twice:
+    # vLLM asserts on its ref count then (the engine dies: the real bug's consequence).
+    # So the victim is aborted right after its 64-token prefill, holding two full
+    # (hashed) blocks, which go to the tail of a 256-block free queue.
+    h, load = never_draining(engines, num_gpu_blocks_override=256)
+    victim = "victim"
+    h.add(prompt(1100, 64), max_tokens=400, rid=victim)
+    for _ in range(200):
+        if h.blocks_of(victim) >= 2:
+            break
+        load.step()
+    assert h.blocks_of(victim) == 2
+    h.guard.arm_faults(FaultPlan({fault: 1}))
+    if fault is not Fault.REFCOUNT_BUMP:
+        h.abort(victim)  # the fault fires on this abort
+    watch = Watch(h, load)
+    report, steps = watch.until_online_leak()
+    assert h.guard.faults.enabled == [f"{fault.value} (fired 1 of 1)"]
+    assert report.evidence is Evidence.ONLINE and not report.drained
+    assert [(lk.cause, lk.evidence) for lk in report.leaks] == [(cause, Evidence.ONLINE)]
+    [leak] = report.leaks
+    if path is not None:
+        assert leak.path is path
+    if names_victim:
+        assert leak.client_request_id == victim
+    # Stated latency: at most three sweeps (steps counted from the fault's step).
+    assert report.online is not None
+    assert steps <= 3 * watch.max_sweep_steps + 1, (steps, watch.max_sweep_steps)
+    assert not [r for r in h.guard.reports if r.evidence is Evidence.DRAINED]
+    assert not h.guard.drain_prediction().drains
+
+
+def test_a_hook_failure_under_load_rebuilds_the_records_with_no_false_alarm(
+    engines,  # type: ignore[no-untyped-def]
+) -> None:
+    """A contained kvguard failure under load: records rebuilt, audit goes on, still sharp."""
+    h, load = never_draining(engines, num_gpu_blocks_override=128)
+    online = h.guard.online
+    assert online is not None
+    restarts = online.stats.restarts_total
+    h.guard.arm_faults(FaultPlan({Fault.HOOK_ERROR: 2}))
+    load.step(400)
+    assert h.guard.errors.by_hook["finish"] == 2
+    assert online.stats.restarts_total > restarts  # rebuilt from the engine's tables
+    assert not [r for r in h.online_reports() if r.leaks]
+    # Still finds a real leak afterwards.
+    h.add(prompt(1200, 70), max_tokens=400, rid="late-victim")
+    for _ in range(200):
+        if h.blocks_of("late-victim") >= 2:
+            break
+        load.step()
+    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+    h.abort("late-victim")
+    report, _ = Watch(h, load).until_online_leak()
+    assert [lk.client_request_id for lk in report.leaks] == ["late-victim"]
+
+
+@pytest.mark.kv_connector
+def test_a_transfer_that_never_completes_is_found_online_after_its_bound(
+    engines,  # type: ignore[no-untyped-def]
+) -> None:
+    """Every request's free is delayed 3 steps by a real KV connector (legitimate); one
+    transfer never completes: a delayed_free leak once its hold passes the bound."""
+    bound = 1.0
+    h: Harness = engines(num_gpu_blocks_override=256, kv_transfer_config={
+        "kv_connector": "DelayedFreeConnector",
+        "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"complete_after_steps": 3,
+                                      "never_complete_request_prefixes": ["never-"]},
+    })
+    h.guard.config = dataclasses.replace(h.guard.config, delayed_free_bound_seconds=bound)
+    load = SustainedLoad(h)
+    load.step(300)
+    assert h.guard.ledger.num_events["delayed_free_end"] > 50  # legitimate holds, many
+    assert not [r for r in h.online_reports() if r.leaks]
+    h.add(prompt(900, 70), max_tokens=5, rid="never-1")
+    for _ in range(300):
+        if h.guard.ledger.num_events["finish"] and any(
+                r.client_request_id == "never-1" and r.delayed_free_pending
+                for r in h.guard.ledger.records()):
+            break
+        load.step()
+    t0 = time.monotonic()
+    report, _ = Watch(h, load).until_online_leak(max_steps=100_000)
+    waited = time.monotonic() - t0
+    [leak] = report.leaks
+    assert (leak.cause, leak.path, leak.client_request_id) == (
+        LeakCause.FINISHED_REQUEST, LeakPath.DELAYED_FREE, "never-1")
+    assert leak.held_for_seconds is not None and leak.held_for_seconds >= bound
+    online = h.guard.online_state()
+    assert online is not None
+    assert waited <= bound + 3 * online.last_sweep_seconds + 1.0, waited
+    assert not h.guard.drain_prediction().drains

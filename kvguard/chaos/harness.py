@@ -88,12 +88,19 @@ class EngineHarness:
         self.step_until(lambda: not self.scheduler.requests and not self.scheduler.running
                         and not len(self.scheduler.waiting), max_seconds=max_seconds)
 
-    def latest(self) -> CheckpointReport:
-        """The latest drained checkpoint (taken or skipped); online reports are not."""
+    def latest_drained(self) -> CheckpointReport | None:
+        """The latest drained checkpoint (taken or skipped), if any; online reports are not."""
         for r in reversed(self.guard.reports):
             if r.evidence is Evidence.DRAINED:
                 return r
-        raise KvguardError("no checkpoint was taken: the engine never drained")
+        return None
+
+    def latest(self) -> CheckpointReport:
+        """The latest drained checkpoint (taken or skipped); raises if there is none."""
+        r = self.latest_drained()
+        if r is None:
+            raise KvguardError("no checkpoint was taken: the engine never drained")
+        return r
 
     def online_reports(self) -> list[CheckpointReport]:
         """Reports of the online audit, oldest first."""

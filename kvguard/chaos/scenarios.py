@@ -174,7 +174,7 @@ def _delayed_free_never(h: EngineHarness) -> str:
     h.add(prompt(900, 70), max_tokens=5, rid="never-1")
     h.add(prompt(901, 40), max_tokens=5)
     h.run_to_completion()
-    h.step_until(lambda: bool(h.guard.reports) and h.latest().verdict is Verdict.LEAK,
+    h.step_until(lambda: getattr(h.latest_drained(), "verdict", None) is Verdict.LEAK,
                  max_steps=10**6, pause_seconds=0.005,
                  max_seconds=h.guard.delayed_free_bound + 20)
     return f"never-1 holds {h.blocks_of('never-1')} blocks past the bound"

@@ -34,7 +34,8 @@ def _words(seed: int, n: int) -> str:
 
 def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
                       *, timeout: float = 60.0) -> bool:
-    """Stream a long completion and cancel it through vLLM's abort API after one chunk.
+    """Stream a long completion and cancel it through vLLM's abort API after one chunk
+    (asked again after 16 and 128 chunks if the stream still goes on).
 
     ``POST /inference/v1/abort_requests`` (served with ``--enable-scale-out``) takes the
     engine-client request id: the completion id plus the prompt index (``cmpl-...-0``).
@@ -51,11 +52,16 @@ def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
                 continue
             chunks += 1
-            if chunks == 1:
+            if chunks in _ABORT_AT_CHUNKS:
+                # Asked again while the stream goes on: on a loaded host vLLM has been
+                # seen to let the first abort pass (the stream then ran to the end).
                 rid = json.loads(line[5:])["id"]
                 client.post("/inference/v1/abort_requests",
                             json={"request_ids": [f"{rid}-0"]}).raise_for_status()
     return chunks >= max_tokens
+
+
+_ABORT_AT_CHUNKS = frozenset({1, 16, 128})
 
 
 def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int,

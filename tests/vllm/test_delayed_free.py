@@ -66,7 +66,8 @@ def test_transfer_that_never_completes_is_a_delayed_free_leak_until_it_does(
     assert held >= 3
 
     def leak_reported() -> Any:
-        return h.guard.reports and h.latest().verdict is Verdict.LEAK
+        r = h.latest_drained()
+        return r is not None and r.verdict is Verdict.LEAK
 
     _step_until(h, leak_reported)
     r = h.latest()

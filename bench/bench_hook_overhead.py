@@ -1,11 +1,13 @@
 """Target 1: the real scheduler's time per step with kvguard vs without, alternating.
 
-Two real in-process engines side by side, one with kvguard attached and one
-built with ``KVGUARD_ENABLED=0``. Each round runs 64 concurrent requests to
-completion on one engine, then on the other; per step, the time spent in
-``Scheduler.schedule`` + ``Scheduler.update_from_output`` is measured (the same
-timing wrapper on both, outside kvguard's hooks, so kvguard's cost is inside).
-Only steps with all 64 requests running count.
+Three real in-process engines side by side: kvguard with its online audit (the
+default), kvguard with ``KVGUARD_ONLINE_AUDIT=0`` (hooks and drained
+checkpoints only), and one built with ``KVGUARD_ENABLED=0``. Each round runs 64
+concurrent requests to completion on each engine in turn (order rotating);
+per step, the time spent in ``Scheduler.schedule`` +
+``Scheduler.update_from_output`` is measured (the same timing wrapper on all,
+outside kvguard's hooks, so kvguard's cost is inside). Only steps with all 64
+requests running count.
 """
 
 from __future__ import annotations
@@ -67,6 +69,11 @@ if __name__ == "__main__":
                       max_model_len=512, max_num_seqs=CONCURRENCY,
                       max_num_batched_tokens=4096, kv_cache_memory_bytes=32 << 20)
     on = EngineHarness(spec)
+    assert on.guard.online is not None, "the online audit is on by default"
+    os.environ["KVGUARD_ONLINE_AUDIT"] = "0"
+    hooks_only = EngineHarness(spec)
+    del os.environ["KVGUARD_ONLINE_AUDIT"]
+    assert hooks_only.guard.online is None
     os.environ["KVGUARD_ENABLED"] = "0"
     off_engine = build_engine(spec)
     del os.environ["KVGUARD_ENABLED"]
@@ -81,27 +88,58 @@ if __name__ == "__main__":
 
     off: Any = Off()
     samples_on: list[int] = []
+    samples_hooks: list[int] = []
     samples_off: list[int] = []
     timed(on.scheduler, samples_on)
+    timed(hooks_only.scheduler, samples_hooks)
     timed(scheduler_of(off_engine), samples_off)
-    run_round(on, 0)  # warm-up both
-    run_round(off, 0)
-    samples_on.clear()
-    samples_off.clear()
+    engines = [(on, samples_on), (hooks_only, samples_hooks), (off, samples_off)]
+    for h, _ in engines:  # warm-up all
+        run_round(h, 0)
+    for _, samples in engines:
+        samples.clear()
+    online = on.guard.online
+    busy0 = online.stats.busy_seconds_total
+    sweeps0 = online.stats.sweeps_total
     per_round = []
     for r in range(1, ROUNDS + 1):
-        a0, b0 = len(samples_on), len(samples_off)
-        first, second = (on, off) if r % 2 else (off, on)
-        run_round(first, r)
-        run_round(second, r)
-        per_round.append(statistics.median(samples_on[a0:]) / statistics.median(samples_off[b0:]))
+        marks = [len(samples) for _, samples in engines]
+        order = engines[r % 3:] + engines[:r % 3]
+        for h, _ in order:
+            run_round(h, r)
+        meds = [statistics.median(samples[m:]) for (_, samples), m in zip(engines, marks)]
+        per_round.append((meds[0] / meds[2], meds[1] / meds[2]))
     s_on = stats([x / 1000 for x in samples_on])
+    s_hooks = stats([x / 1000 for x in samples_hooks])
     s_off = stats([x / 1000 for x in samples_off])
     ratio = s_on["median"] / s_off["median"]
-    print(f"with kvguard {s_on['median']:.1f} us/step, without {s_off['median']:.1f} us/step, "
-          f"ratio {ratio:.3f} (per round {[round(x, 3) for x in per_round]})")
-    save("hook_overhead", {"with_us": s_on, "without_us": s_off, "ratio": ratio,
-                           "ratio_per_round": per_round, "target_ratio": 1.02,
-                           "concurrency": CONCURRENCY, "rounds": ROUNDS,
+    ratio_hooks = s_hooks["median"] / s_off["median"]
+    mean_ratio = s_on["mean"] / s_off["mean"]
+    st = online.stats
+    audit_s = st.busy_seconds_total - busy0
+    sched_s = sum(samples_on) / 1e9
+    print(f"with kvguard + online audit {s_on['median']:.1f} us/step (ratio {ratio:.3f}, "
+          f"mean ratio {mean_ratio:.3f}); hooks only {s_hooks['median']:.1f} us/step (ratio "
+          f"{ratio_hooks:.3f}); without {s_off['median']:.1f} us/step")
+    print(f"online audit: {st.sweeps_total - sweeps0} sweeps of {on.num_usable()} blocks, "
+          f"last {st.last_sweep_steps} steps / {st.last_sweep_seconds * 1000:.1f} ms; audit "
+          f"time {audit_s * 1000:.1f} ms = {audit_s / sched_s:.4f} of the measured scheduler "
+          f"time (budget {online.opts.budget_fraction}); worst-case detection "
+          f"{3 * st.last_sweep_steps} steps / {3 * st.last_sweep_seconds * 1000:.0f} ms")
+    save("hook_overhead", {"with_us": s_on, "hooks_only_us": s_hooks, "without_us": s_off,
+                           "ratio": ratio, "ratio_hooks_only": ratio_hooks,
+                           "mean_ratio": mean_ratio,
+                           "ratio_per_round": [r[0] for r in per_round],
+                           "ratio_hooks_only_per_round": [r[1] for r in per_round],
+                           "target_ratio": 1.02, "concurrency": CONCURRENCY, "rounds": ROUNDS,
+                           "online": {"budget_fraction": online.opts.budget_fraction,
+                                      "sweeps": st.sweeps_total - sweeps0,
+                                      "pool_blocks": on.num_usable(),
+                                      "sweep_steps": st.last_sweep_steps,
+                                      "sweep_seconds": st.last_sweep_seconds,
+                                      "audit_seconds": audit_s,
+                                      "audit_share_of_scheduler_time": audit_s / sched_s,
+                                      "detection_latency_steps": 3 * st.last_sweep_steps,
+                                      "detection_latency_seconds": 3 * st.last_sweep_seconds},
                            "events": dict(on.guard.ledger.num_events)})
     os._exit(0)

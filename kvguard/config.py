@@ -74,7 +74,8 @@ class KvguardConfig:
     online_audit: bool = True
     """Audit ownership between engine steps under load, without waiting for a drain."""
     online_budget_fraction: float = 0.01
-    """Audit time per second of step time (0.01: 1 %); sets how fast a sweep covers the pool."""
+    """Audit time per second of scheduler time (0.01: 1 %); sets how fast a sweep covers
+    the pool."""
     online_max_pause_seconds: float = 0.002
     """Most audit time at one step boundary (an idle gap never buys a longer pause)."""
     snapshot_dir: Path | None = None

@@ -18,7 +18,8 @@ def _bar(n: int, total: int) -> str:
 
 def render_report(r: CheckpointReport) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.taken_at))
-    out = [f"engine {r.engine}  checkpoint #{r.checkpoint_id}  {when}  "
+    kind = "online audit" if r.evidence.value == "online" else "checkpoint"
+    out = [f"engine {r.engine}  {kind} #{r.checkpoint_id}  {when}  "
            f"verdict: {r.verdict.value.upper()}"]
     if r.skip_reason:
         out.append(f"  not drained: {r.skip_reason}")
@@ -51,6 +52,12 @@ def render_state(s: EngineState) -> str:
     lines = [head]
     if s.faults_enabled:
         lines.append(f"   FAULT INJECTION ENABLED: {', '.join(s.faults_enabled)}")
+    if s.online is not None and s.online.sweeps_total:
+        o = s.online
+        lines.append(f"   online audit: {o.sweeps_total} sweeps, the last {o.last_sweep_steps} "
+                     f"steps ({o.last_sweep_seconds:.2f} s); detection within "
+                     f"{o.detection_latency_steps} steps ({o.detection_latency_seconds:.2f} s); "
+                     f"{o.audit_seconds_total:.3f} s spent in all")
     if s.hooks_missing:
         lines.append(f"   hooks missing in this vLLM: {', '.join(s.hooks_missing)}")
     r = s.latest_report

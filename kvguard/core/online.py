@@ -13,13 +13,15 @@ so that references taken by pool calls with no request at hand get their
 owner, then (2) reads the pool slice by slice and judges each block. A sweep
 covers the whole pool; how many steps it takes (``K``) follows from the budget.
 
-**Budget.** Each step earns ``budget_fraction`` x (seconds since the previous
-step) of audit time; audit work spends it, measured with ``perf_counter``, in
-units of at most ``slice_blocks`` blocks or ``claim_requests`` tables. Credit
-may go negative by one unit (repaid by later steps) and is capped at
-``max_pause_seconds``, so an idle gap never buys a long pause. Over any run,
-audit time <= ``budget_fraction`` x elapsed time + one unit: the overhead
-bound holds by construction, on any machine.
+**Budget.** Each step earns ``budget_fraction`` x the scheduler time of that
+step (``schedule`` + ``update_from_output``, measured by the caller) of audit
+time; audit work spends it, measured with ``perf_counter``, in units of at
+most ``slice_blocks`` blocks or ``claim_requests`` tables. Credit may go
+negative by one unit (repaid by later steps) and is capped at
+``max_pause_seconds``, so no single step boundary pauses longer. Over any run,
+audit time <= ``budget_fraction`` x scheduler time + one unit: the overhead
+bound (in units of scheduler time, the performance target's unit) holds by
+construction, on any machine and for any pool size; ``K`` follows from it.
 
 **Confirmation.** A block is reported only when two consecutive audits of it
 (one sweep apart, with a claim phase between them) judge it suspect with the
@@ -87,7 +89,7 @@ class OnlineOptions:
     """How much the online audit may cost, and how it judges holds. Seconds, ratios."""
 
     budget_fraction: float = 0.01
-    """Audit time per second of engine time (0.01: at most 1 % of step time)."""
+    """Audit time per second of scheduler time (0.01: at most 1 % of it)."""
     max_pause_seconds: float = 0.002
     """Most audit time banked for one step, so that an idle gap never buys a long pause."""
     slice_blocks: int = 256
@@ -105,13 +107,11 @@ class StepBudget:
         self.fraction = fraction
         self.max_credit = max_credit
         self.credit = 0.0
-        self._last: float | None = None
 
-    def earn(self, now: float) -> float:
-        """Add ``fraction`` x the time since the previous call (``perf_counter`` seconds)."""
-        if self._last is not None and now > self._last:
-            self.credit = min(self.credit + self.fraction * (now - self._last), self.max_credit)
-        self._last = now
+    def earn(self, step_seconds: float) -> float:
+        """Add ``fraction`` x the engine time one step took; returns the credit (seconds)."""
+        if step_seconds > 0.0:
+            self.credit = min(self.credit + self.fraction * step_seconds, self.max_credit)
         return self.credit
 
     def spend(self, seconds: float) -> None:
@@ -209,15 +209,17 @@ class OnlineAuditor:
         return len(self._seen)
 
     # ------------------------------------------------------------------ step
-    def step(self, now: float, wall: float) -> SweepResult | None:
-        """One step boundary: earn budget, spend it. ``now``: perf_counter; ``wall``: Unix.
+    def step(self, step_seconds: float, wall: float) -> SweepResult | None:
+        """One step boundary: earn budget for ``step_seconds`` of engine time, spend it.
 
-        Returns the sweep's result when this step completed one.
+        ``wall``: Unix time (for hold bounds and reports). Returns the sweep's result
+        when this step completed one.
         """
+        now = perf_counter()
         self._steps += 1
         if self._started is None:
             self._started = now
-        credit = self.budget.earn(now)
+        credit = self.budget.earn(step_seconds)
         if credit <= 0.0:
             return None
         t0 = perf_counter()

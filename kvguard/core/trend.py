@@ -1,4 +1,7 @@
-"""The trend verdict across consecutive drained checkpoints of one engine.
+"""The trend verdict across consecutive judged checkpoints of one engine.
+
+Judged: drained checkpoints that were not skipped, and online audit reports
+(which are issued when what the audit confirms changes).
 
 One checkpoint can say "5 blocks held by finished requests". Only a series can
 say whether that number is *growing* (a leak that will fill the pool, even if
@@ -14,7 +17,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from kvguard.core.report import CheckpointReport
-from kvguard.core.types import Verdict
+from kvguard.core.types import Evidence, Verdict
 
 TREND_WINDOW = 4
 """Drained checkpoints considered (the most recent ones)."""
@@ -38,9 +41,16 @@ class Trend:
     explanation: str
 
 
+def judged(r: CheckpointReport) -> bool:
+    """A report with a verdict on the pool: drained and not skipped, or online."""
+    if r.evidence is Evidence.ONLINE:
+        return True
+    return r.drained and r.verdict is not Verdict.SKIPPED
+
+
 def trend(reports: Sequence[CheckpointReport], window: int = TREND_WINDOW) -> Trend:
-    """Judge the last ``window`` drained checkpoints of ``reports`` (oldest first, one epoch)."""
-    drained = [r for r in reports if r.drained and r.verdict is not Verdict.SKIPPED][-window:]
+    """Judge the last ``window`` judged checkpoints of ``reports`` (oldest first, one epoch)."""
+    drained = [r for r in reports if judged(r)][-window:]
     series = tuple(r.finished_requests_holding_blocks for r in drained)
     leaked = tuple(sum(r.leaked_blocks_by_cause.values()) for r in drained)
     n = len(drained)

@@ -128,7 +128,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
                 engine=name, epoch=view.state.epoch, up=store.is_up(view),
                 hook_errors_total=view.state.hook_errors_total,
                 faults_enabled=list(view.state.faults_enabled), latest=latest,
-                drain=_drain_view(view.state.drain),
+                drain=_drain_view(view.state.drain), online=view.state.online,
                 trend=TrendReport(verdict=t.verdict, checkpoints=t.checkpoints,
                                   holding_series=list(t.holding_series),
                                   explanation=t.explanation)))

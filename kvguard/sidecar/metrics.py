@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvguard.core.report import CheckpointReport
-from kvguard.core.trend import TrendVerdict
-from kvguard.core.types import BlockState, LeakCause, Verdict
+from kvguard.core.trend import TrendVerdict, judged
+from kvguard.core.types import BlockState, Evidence, LeakCause, Verdict
 from kvguard.sidecar.store import EngineStore
 
 
@@ -42,16 +42,32 @@ class KvguardCollector(Collector):
         holding = GaugeMetricFamily("kvguard_finished_requests_holding_blocks",
                                     "Finished requests that still own KV blocks now.", labels=eng)
         leaked = GaugeMetricFamily("kvguard_leaked_blocks",
-                                   "Leaked KV blocks at the last drained checkpoint, by cause.",
-                                   labels=["engine", "cause"])
+                                   "Leaked KV blocks by cause at the latest judged checkpoint: "
+                                   "drained, or an online audit under load (label evidence).",
+                                   labels=["engine", "cause", "evidence"])
         trend = GaugeMetricFamily("kvguard_leak_trend",
                                   "1 when leaked blocks or finished requests holding blocks grew "
                                   "over consecutive drained checkpoints.", labels=eng)
         last = GaugeMetricFamily("kvguard_last_checkpoint_timestamp_seconds",
                                  "Unix time of the last drained checkpoint.", labels=eng)
         checkpoints = CounterMetricFamily("kvguard_checkpoints",
-                                          "Checkpoints taken, by verdict.",
-                                          labels=["engine", "verdict"])
+                                          "Checkpoints taken, by verdict and evidence (drained "
+                                          "checkpoints, online audit reports).",
+                                          labels=["engine", "verdict", "evidence"])
+        sweeps = CounterMetricFamily("kvguard_online_sweeps",
+                                     "Online audit sweeps completed (each covers the pool).",
+                                     labels=eng)
+        online_seconds = CounterMetricFamily("kvguard_online_audit_seconds",
+                                             "Time the online audit spent at step boundaries.",
+                                             labels=eng)
+        sweep_steps = GaugeMetricFamily("kvguard_online_sweep_steps",
+                                        "Engine steps the last online sweep took (K).",
+                                        labels=eng)
+        latency = GaugeMetricFamily("kvguard_online_detection_latency_seconds",
+                                    "Worst case from a leak to its online report: three sweeps "
+                                    "at the last sweep's pace.", labels=eng)
+        last_sweep = GaugeMetricFamily("kvguard_online_last_sweep_timestamp_seconds",
+                                       "Unix time the last online sweep ended.", labels=eng)
         events = CounterMetricFamily("kvguard_request_events",
                                      "Request lifecycle and block events seen by the hooks.",
                                      labels=["engine", "event"])
@@ -88,12 +104,16 @@ class KvguardCollector(Collector):
                 for state, n in counts.items():
                     blocks.add_metric([name, state.value], float(n))
                 sat.add_metric([name], p.cached / p.capacity if p.capacity else 0.0)
-            drained = [r for r in view.history if r.drained and r.epoch == s.epoch]
+            judged_now = [r for r in view.history if r.epoch == s.epoch and judged(r)]
+            if judged_now:
+                r = judged_now[-1]
+                for cause in LeakCause:
+                    leaked.add_metric([name, cause.value, r.evidence.value],
+                                      float(r.leaked_blocks_by_cause.get(cause, 0)))
+            drained = [r for r in view.history
+                       if r.drained and r.epoch == s.epoch and r.evidence is Evidence.DRAINED]
             if drained:
                 r = drained[-1]
-                for cause in LeakCause:
-                    leaked.add_metric([name, cause.value],
-                                      float(r.leaked_blocks_by_cause.get(cause, 0)))
                 last.add_metric([name], r.taken_at)
                 _memory_samples(name, r, allocator, device)
                 if r.host is not None and r.host.swap_used_bytes is not None and (
@@ -102,8 +122,22 @@ class KvguardCollector(Collector):
             trend.add_metric([name], 1.0 if view.trend.verdict is TrendVerdict.LEAK_GROWING
                              else 0.0)
             for verdict in Verdict:
-                checkpoints.add_metric([name, verdict.value],
-                                       float(s.checkpoints_total.get(verdict.value, 0)))
+                total = s.checkpoints_total.get(verdict.value, 0)
+                online = s.online_checkpoints_total.get(verdict.value, 0)
+                checkpoints.add_metric([name, verdict.value, Evidence.DRAINED.value],
+                                       float(total - online))
+                if verdict is not Verdict.SKIPPED:
+                    checkpoints.add_metric([name, verdict.value, Evidence.ONLINE.value],
+                                           float(online))
+            if s.online is not None:
+                o = s.online
+                sweeps.add_metric([name], float(o.sweeps_total))
+                online_seconds.add_metric([name], o.audit_seconds_total)
+                if o.sweeps_total:
+                    sweep_steps.add_metric([name], float(o.last_sweep_steps))
+                    latency.add_metric([name], o.detection_latency_seconds)
+                if o.last_sweep_at is not None:
+                    last_sweep.add_metric([name], o.last_sweep_at)
             for event, n in sorted(s.events_total.items()):
                 events.add_metric([name, event], float(n))
             errors.add_metric([name], float(s.hook_errors_total))
@@ -113,7 +147,8 @@ class KvguardCollector(Collector):
         if latest_swap is not None:
             swap.add_metric([], float(latest_swap[1]))
         yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
-                    events, errors, read_errors, drain_eta, allocator, device, swap)
+                    events, errors, read_errors, drain_eta, allocator, device, swap,
+                    sweeps, online_seconds, sweep_steps, latency, last_sweep)
 
 
 def _memory_samples(name: str, r: CheckpointReport, allocator: GaugeMetricFamily,

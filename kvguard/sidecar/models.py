@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.report import CheckpointReport
 from kvguard.core.trend import TrendVerdict
+from kvguard.transport.state import OnlineState
 
 
 class _Model(BaseModel):
@@ -47,6 +48,8 @@ class EngineReport(_Model):
     latest: CheckpointReport | None
     trend: TrendReport
     drain: DrainView | None = None
+    online: OnlineState | None = Field(
+        default=None, description="The online audit's counters (null when it is off).")
 
 
 class ReportsResponse(_Model):

@@ -107,6 +107,8 @@ class EngineGuard:
         self.current_owner: RequestId | None = None
         """The request whose blocks are being freed right now (set by lifecycle hooks)."""
         self.drain_pending = False
+        self.schedule_seconds = 0.0
+        """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
         self._ledger_errors_seen = 0
         self._checkpoint_requested = False
         self._request_seen_ns = request_mtime_ns(config.run_dir, self.engine)
@@ -179,15 +181,16 @@ class EngineGuard:
         """Take a checkpoint at the next hook opportunity (skipped if not drained)."""
         self._checkpoint_requested = True
 
-    def on_step_end(self, *, step: bool = False) -> None:
-        """Per engine step (after ``update_from_output``, ``step=True``) and after aborts.
+    def on_step_end(self, *, step_seconds: float | None = None) -> None:
+        """After aborts, and per engine step (after ``update_from_output``; ``step_seconds``:
+        the scheduler time of that step, ``schedule`` + ``update_from_output``).
 
         Cheap when idle: the online audit spends only its budget (see kvguard.core.online).
         """
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
-        if step and self.online is not None:
-            self._online_step()
+        if step_seconds is not None and self.online is not None:
+            self._online_step(step_seconds)
         now = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + self.config.publish_interval_seconds
@@ -263,12 +266,12 @@ class EngineGuard:
         return self._record(report)
 
     # ----------------------------------------------------------- online audit
-    def _online_step(self) -> None:
+    def _online_step(self, step_seconds: float) -> None:
         online = self.online
         assert online is not None
         if self._ledger_errors_since_checkpoint():
             self._resync_ledger()
-        result = online.step(time.perf_counter(), time.time())
+        result = online.step(step_seconds, time.time())
         if result is not None:
             self._on_sweep(result)
 

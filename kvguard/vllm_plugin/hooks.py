@@ -12,10 +12,11 @@ Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone
 ``Scheduler._free_request_blocks``               the free itself, possibly deferred
 ``Scheduler._free_blocks``                       the request is done (delayed free ends here)
 ``Scheduler.finish_requests``                    abort/cancel from outside: a drain may follow
-``Scheduler.update_from_output``                 end of a step: a drain may follow
+``Scheduler.update_from_output``                 end of a step: a drain may follow; online audit
+``Scheduler.schedule``                           timed only: the online audit's budget basis
 ===============================================  =============================================
 
-Only ``update_from_output`` runs on every step; the pool hooks run when blocks
+Only ``schedule`` and ``update_from_output`` run on every step; the pool hooks run when blocks
 actually move (about once per ``block_size`` tokens per request). Request ids
 for acquisitions are not known at the pool level; the ledger records them as
 unattributed and claims them from the engine's own block tables at the next
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from time import perf_counter
 from collections.abc import Callable
 from typing import Any
 
@@ -238,18 +240,35 @@ def install_hooks(g: EngineGuard) -> None:
         return _free_blocks
 
     def make_step_end(hook: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        is_step = hook == "update_from_output"  # the end of an engine step: online audit
-
         def make(orig: Callable[..., Any]) -> Callable[..., Any]:
             def step_end(*args: Any, **kwargs: Any) -> Any:
                 ret = orig(*args, **kwargs)
                 try:
-                    g.on_step_end(step=is_step)
+                    g.on_step_end()
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret
             return step_end
         return make
+
+    def make_schedule(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            t0 = perf_counter()
+            ret = orig(*args, **kwargs)
+            g.schedule_seconds = perf_counter() - t0  # the online audit's budget basis
+            return ret
+        return schedule
+
+    def make_update_from_output(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def update_from_output(*args: Any, **kwargs: Any) -> Any:
+            t0 = perf_counter()
+            ret = orig(*args, **kwargs)
+            try:
+                g.on_step_end(step_seconds=g.schedule_seconds + perf_counter() - t0)
+            except Exception as exc:
+                errors.record("update_from_output", exc)
+            return ret
+        return update_from_output
 
     _wrap(g, sched, "add_request", make_add_request)
     _wrap(g, sched, "_preempt_request", make_preempt)
@@ -257,4 +276,5 @@ def install_hooks(g: EngineGuard) -> None:
     _wrap(g, sched, "_free_request_blocks", make_free_request_blocks)
     _wrap(g, sched, "_free_blocks", make_free_blocks)
     _wrap(g, sched, "finish_requests", make_step_end("finish_requests"))
-    _wrap(g, sched, "update_from_output", make_step_end("update_from_output"))
+    _wrap(g, sched, "schedule", make_schedule)
+    _wrap(g, sched, "update_from_output", make_update_from_output)

@@ -45,10 +45,16 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_cache_saturation_ratio": _m("gauge", "engine"),
     "kvguard_finished_requests_holding_blocks": _m("gauge", "engine"),
     "kvguard_leaked_blocks": _m(
-        "gauge", "engine", "cause",
-        cause=("finished_request", "orphan", "refcount_drift", "double_free")),
+        "gauge", "engine", "cause", "evidence",
+        cause=("finished_request", "orphan", "refcount_drift", "double_free"),
+        evidence=("drained", "online")),
     "kvguard_checkpoints_total": _m(
-        "counter", "engine", "verdict", verdict=("clean", "saturated", "leak", "skipped")),
+        "counter", "engine", "verdict", "evidence",
+        verdict=("clean", "saturated", "leak", "skipped"), evidence=("drained", "online")),
+    "kvguard_online_audit_seconds_total": _m("counter", "engine"),
+    "kvguard_online_sweep_steps": _m("gauge", "engine"),
+    "kvguard_online_detection_latency_seconds": _m("gauge", "engine"),
+    "kvguard_online_last_sweep_timestamp_seconds": _m("gauge", "engine"),
     "kvguard_last_checkpoint_timestamp_seconds": _m("gauge", "engine"),
     "kvguard_request_events_total": _m("counter", "engine", "event"),
     "kvguard_hook_errors_total": _m("counter", "engine"),
@@ -66,6 +72,7 @@ CONTRACT: dict[str, Metric] = {
 OPERATIONAL: dict[str, Metric] = {
     "kvguard_engine_info": _m("gauge", "engine", "epoch", "kvguard_version", "vllm_version"),
     "kvguard_sidecar_read_errors_total": _m("counter"),
+    "kvguard_online_sweeps_total": _m("counter", "engine"),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)

@@ -11,7 +11,8 @@ from factories import report, state, write
 from playwright.sync_api import Page, Route, expect
 
 from kvguard.core.report import AllocatorReport, HostReport, LeakReport
-from kvguard.core.types import Evidence, LeakCause, LeakPath
+from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
+from kvguard.transport.state import OnlineState
 
 REFRESH_SECONDS = 2.0
 """The status page's refresh interval."""
@@ -174,3 +175,31 @@ def test_a_draining_prediction_shows_its_eta(page: Page, sidecar_url: str, run_d
     page.route("**/v1/report", with_drain)
     _open(page, sidecar_url)
     expect(page.get_by_test_id("drain-headline")).to_have_text("drains in about 4 s")
+
+
+def test_an_online_finding_under_load_says_so(page: Page, sidecar_url: str,
+                                              run_dir: Path) -> None:
+    """A server that never drains: the verdict comes from the online audit, and the page
+    says it is an online finding (ownership only) and how fast the audit finds a leak."""
+    leak = LeakReport(request_id="victim-0000000a", client_request_id="victim",
+                      cause=LeakCause.FINISHED_REQUEST, path=LeakPath.ABORT, blocks=3,
+                      evidence=Evidence.ONLINE)
+    r = report(7, holding=0).model_copy(update={
+        "drained": False, "evidence": Evidence.ONLINE, "verdict": Verdict.LEAK,
+        "leaks": [leak], "leaked_blocks_by_cause": {LeakCause.FINISHED_REQUEST: 3},
+        "explanation": "Online audit under load (no drain needed): ..."})
+    online = OnlineState(budget_fraction=0.01, sweeps_total=420, audit_seconds_total=0.04,
+                         blocks_audited_total=26880, last_sweep_steps=9,
+                         last_sweep_seconds=0.011, last_sweep_at=time.time(),
+                         detection_latency_steps=27, detection_latency_seconds=0.033,
+                         pending_blocks=2, confirmed_blocks=3)
+    write(run_dir, state([r]).model_copy(update={"online": online}))
+    _open(page, sidecar_url)
+    verdict = page.get_by_test_id("verdict")
+    expect(verdict).to_contain_text("online audit under load (ownership only)")
+    expect(page.get_by_test_id("leak-row")).to_contain_text("victim")
+    section = page.get_by_test_id("online")
+    expect(section.get_by_test_id("online-headline")).to_have_text(
+        "finds a leak within 33 ms under load")
+    expect(section).to_contain_text("420 sweeps; the last took 9 steps (0.01 s), budget 1.0 %")
+    maybe_screenshot(page, "status-online")

@@ -110,7 +110,8 @@ function poolChart(history) {
     bars.map((r, i) => {
       let base = 0;
       const tip = [`checkpoint #${r.checkpoint_id} · ${clock(r.taken_at)} · ${r.verdict}` +
-                   (r.drained ? " (drained)" : " (not drained)"),
+                   (r.evidence === "online" ? " (online audit, under load)"
+                    : r.drained ? " (drained)" : " (not drained)"),
                    ...STATES.map(([k, label]) => `${label}: ${r.pool[k]}`),
                    `capacity: ${r.pool.capacity}`].join("\n");
       const restart = i > 0 && bars[i - 1].epoch !== r.epoch;
@@ -306,10 +307,33 @@ function verdictSection(eng, latest) {
   return h("section", { class: `verdict v-${latest.verdict}`, "data-testid": "verdict" },
     h("p", { class: "line" }, badge("verdict", latest.verdict),
       h("span", { class: "what" }, `checkpoint #${latest.checkpoint_id} · ${clock(latest.taken_at)} `,
-        ago(latest.taken_at), latest.drained ? " · drained" : " · not drained",
+        ago(latest.taken_at),
+        latest.evidence === "online" ? " · online audit under load (ownership only)"
+          : latest.drained ? " · drained" : " · not drained",
         latest.pool ? ` · prefix cache at ${fmt(100 * (latest.saturation_ratio ?? 0), 0)} % of capacity` : "")),
     latest.skip_reason ? h("p", { class: "skip", text: `skipped: ${latest.skip_reason}` }) : null,
     h("p", { class: "explanation", "data-testid": "explanation", text: latest.explanation }));
+}
+
+function onlineSection(online) {
+  const body = [];
+  if (!online) {
+    body.push(h("p", { class: "empty", text: "Online audit off for this engine (KVGUARD_ONLINE_AUDIT=0)." }));
+  } else if (!online.sweeps_total) {
+    body.push(h("p", { class: "empty", text: "No sweep yet: the audit runs at engine steps." }));
+  } else {
+    const lat = num(online.detection_latency_seconds);
+    const within = lat !== null && lat < 1 ? `${fmt(lat * 1000, 0)} ms` : duration(lat);
+    body.push(h("p", { class: "headline ok", "data-testid": "online-headline",
+                       text: `finds a leak within ${within} under load` }));
+    body.push(h("p", { class: "minor", text:
+      `${online.sweeps_total} sweeps; the last took ${online.last_sweep_steps} steps ` +
+      `(${fmt(num(online.last_sweep_seconds), 2)} s), budget ${fmt(100 * num(online.budget_fraction), 1)} % ` +
+      `of step time; ${online.pending_blocks} block(s) awaiting a second look, ` +
+      `${online.confirmed_blocks} confirmed.` }));
+  }
+  return h("section", { class: "panel online", "data-testid": "online" },
+    h("h3", { text: "Online audit (ownership under load)" }), body);
 }
 
 function engineCard(eng, history) {
@@ -330,7 +354,8 @@ function engineCard(eng, history) {
         h("h3", { text: "Leaks" }), leaksTable(latest)),
       h("section", { class: "panel pool", "data-testid": "pool" },
         h("h3", { text: "Pool states per checkpoint" }), poolChart(history), legend(latest?.pool)),
-      h("div", { class: "side" }, trendSection(eng.trend), drainSection(drain)),
+      h("div", { class: "side" }, trendSection(eng.trend), drainSection(drain),
+        onlineSection(eng.online)),
       attributionSection(latest)));
 }
 

@@ -107,7 +107,8 @@ if __name__ == "__main__":
         order = engines[r % 3:] + engines[:r % 3]
         for h, _ in order:
             run_round(h, r)
-        meds = [statistics.median(samples[m:]) for (_, samples), m in zip(engines, marks)]
+        meds = [statistics.median(samples[m:])
+                for (_, samples), m in zip(engines, marks, strict=True)]
         per_round.append((meds[0] / meds[2], meds[1] / meds[2]))
     s_on = stats([x / 1000 for x in samples_on])
     s_hooks = stats([x / 1000 for x in samples_hooks])

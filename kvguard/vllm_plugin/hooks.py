@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import logging
 import time
-from time import perf_counter
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
 from kvguard.core.types import AcquireKind, FinishReason, RequestId

@@ -201,5 +201,6 @@ def test_an_online_finding_under_load_says_so(page: Page, sidecar_url: str,
     section = page.get_by_test_id("online")
     expect(section.get_by_test_id("online-headline")).to_have_text(
         "finds a leak within 33 ms under load")
-    expect(section).to_contain_text("420 sweeps; the last took 9 steps (0.01 s), budget 1.0 %")
+    expect(section).to_contain_text(
+        "420 sweeps; the last took 9 steps (0.01 s), budget 1 % of scheduler time")
     maybe_screenshot(page, "status-online")

@@ -329,7 +329,7 @@ function onlineSection(online) {
     body.push(h("p", { class: "minor", text:
       `${online.sweeps_total} sweeps; the last took ${online.last_sweep_steps} steps ` +
       `(${fmt(num(online.last_sweep_seconds), 2)} s), budget ${fmt(100 * num(online.budget_fraction), 1)} % ` +
-      `of step time; ${online.pending_blocks} block(s) awaiting a second look, ` +
+      `of scheduler time; ${online.pending_blocks} block(s) awaiting a second look, ` +
       `${online.confirmed_blocks} confirmed.` }));
   }
   return h("section", { class: "panel online", "data-testid": "online" },

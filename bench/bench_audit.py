@@ -4,7 +4,10 @@ The pool is vLLM's own ``BlockPool``, built through ``KVCacheManager`` from a
 ``KVCacheConfig`` (no model), as vLLM's tests do. Two mixes per size:
 ``drained`` (what a drained checkpoint sees: 55% cached, 45% free, a few leaked
 blocks) and ``busy`` (40% active blocks owned by live requests in the ledger,
-35% cached, 25% free). Audit = ``read_pool`` + ``reconcile``.
+35% cached, 25% free). Audit = ``read_pool`` + ``reconcile``. Then one online
+sweep of the busy mix (claim phase over every request's table, then every
+slice), done in one go and timed: its work per sweep sets the online audit's
+sweep length for a given budget and scheduler time per step.
 """
 
 from __future__ import annotations
@@ -82,10 +85,61 @@ def measure(num_blocks: int, mix: str, repeats: int) -> dict[str, object]:
             "ratio": a["median"] / b["median"]}
 
 
+def measure_online(num_blocks: int, sweeps: int = 4) -> dict[str, object]:
+    """One online sweep of the busy mix (claim phase + every slice), done in one go, timed.
+
+    From the work per sweep ``W`` follow the steps per sweep at a budget ``b`` and a
+    scheduler time ``T`` per step: ``K = W / (b T)``; detection takes at most ``3 K``.
+    """
+    from kvguard.core.online import OnlineAuditor, OnlineOptions
+    from kvguard.vllm_plugin.pool_reader import VllmPoolAccess
+
+    pool, ledger = build_pool(num_blocks, 0.40, 0.35)
+    tables: dict[str, list[int]] = {}
+    for rec in ledger.records():
+        if rec.phase.is_live:
+            tables[rec.request_id] = sorted(rec.blocks)
+
+    class Access(VllmPoolAccess):
+        """The real pool; request tables from the bench (no scheduler here)."""
+
+        def request_ids(self) -> list[str]:
+            return list(tables)
+
+        def request_blocks(self, request_id: str) -> list[int]:
+            return tables[request_id]
+
+    class Kvm:
+        block_pool = pool
+
+    auditor = OnlineAuditor(Access(Kvm()), ledger,
+                            OnlineOptions(budget_fraction=1.0, max_pause_seconds=60.0))
+    work = []
+    found = 0
+    gc.collect()
+    for _ in range(sweeps):
+        t0 = time.perf_counter()
+        result = None
+        while result is None:
+            result = auditor.step(60.0, 10.0)
+        work.append((time.perf_counter() - t0) * 1e3)
+        found = sum(f.blocks for f in result.findings)
+    assert found == 3, found  # the leak, confirmed from the second sweep on
+    w = stats(work)
+    budget = OnlineOptions().budget_fraction
+    k = {f"{t_ms:g}": w["median"] / (budget * t_ms) for t_ms in (0.5, 2.0, 10.0)}
+    return {"blocks": num_blocks, "requests": len(tables), "sweep_work_ms": w,
+            "budget_fraction": budget, "steps_per_sweep_at_scheduler_ms": k}
+
+
 if __name__ == "__main__":
     rows = []
     for n, reps in ((100_000, 15), (1_000_000, 5)):
         for mix in ("drained", "busy"):
             rows.append(measure(n, mix, reps))
             print(rows[-1])
-    save("audit", {"rows": rows, "targets": {"100000": 20.0, "1000000": 200.0, "ratio": 3.0}})
+    online = [measure_online(100_000), measure_online(1_000_000, sweeps=3)]
+    for row in online:
+        print(row)
+    save("audit", {"rows": rows, "online": online,
+                   "targets": {"100000": 20.0, "1000000": 200.0, "ratio": 3.0}})

@@ -15,10 +15,11 @@ RESULTS = Path(__file__).with_name("results")
 
 
 def stats(samples: Sequence[float]) -> dict[str, float]:
-    """Median and spread (p10, p90) of ``samples``."""
+    """Median, mean and spread (p10, p90) of ``samples``."""
     xs = sorted(samples)
     q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
-    return {"median": statistics.median(xs), "p10": q[0], "p90": q[-1], "n": float(len(xs))}
+    return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "p10": q[0],
+            "p90": q[-1], "n": float(len(xs))}
 
 
 def machine() -> dict[str, str]:

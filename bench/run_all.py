@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -36,13 +37,23 @@ def render() -> str:
         "| # | target | measured | result |",
         "|---|---|---|---|",
     ]
-    w, wo = hook["with_us"], hook["without_us"]
+    w, wo, ho = hook["with_us"], hook["without_us"], hook["hooks_only_us"]
+    on = hook["online"]
+    per_round = sorted(hook["ratio_per_round"])
     lines.append(
-        f"| 1 | scheduler time per step with kvguard <= 1.02x without (64 concurrent) | "
+        f"| 1 | scheduler time per step with kvguard <= 1.02x without (64 concurrent, "
+        f"{hook['rounds']} alternating rounds), online audit on (default) | "
         f"{w['median']:.0f} us [{w['p10']:.0f}-{w['p90']:.0f}] vs {wo['median']:.0f} us "
-        f"[{wo['p10']:.0f}-{wo['p90']:.0f}]: **{hook['ratio']:.3f}x** (per round "
-        f"{', '.join(f'{x:.3f}' for x in hook['ratio_per_round'])}) | "
-        f"{ok(hook['ratio'] <= 1.02)} |")
+        f"[{wo['p10']:.0f}-{wo['p90']:.0f}]: **{hook['ratio']:.3f}x** (mean "
+        f"{hook['mean_ratio']:.3f}x; per round median {statistics.median(per_round):.3f}, "
+        f"range {per_round[0]:.3f}-{per_round[-1]:.3f}); online audit time "
+        f"{100 * on['audit_share_of_scheduler_time']:.2f} % of scheduler time (budget "
+        f"{100 * on['budget_fraction']:.1f} %), {on['sweeps']} sweeps of {on['pool_blocks']:,} "
+        f"blocks | {ok(hook['ratio'] <= 1.02)} |")
+    lines.append(
+        f"| 1 | the same, online audit off (`KVGUARD_ONLINE_AUDIT=0`) | {ho['median']:.0f} us "
+        f"[{ho['p10']:.0f}-{ho['p90']:.0f}]: **{hook['ratio_hooks_only']:.3f}x** (mean "
+        f"{ho['mean'] / wo['mean']:.3f}x) | {ok(hook['ratio_hooks_only'] <= 1.02)} |")
     for row in audit["rows"]:
         n, mix = row["blocks"], row["mix"]
         target = 20.0 if n == 100_000 else 200.0
@@ -52,6 +63,16 @@ def render() -> str:
             f"ref_cnt loop | {a['median']:.1f} ms [{a['p10']:.1f}-{a['p90']:.1f}], bare loop "
             f"{b['median']:.1f} ms: **{row['ratio']:.1f}x** | "
             f"{ok(a['median'] <= target)} time, {ok(row['ratio'] <= 3.0)} ratio |")
+    for row in audit.get("online", []):
+        k = row["steps_per_sweep_at_scheduler_ms"]
+        wk = row["sweep_work_ms"]
+        lines.append(
+            f"| 9 | online audit: one sweep of {row['blocks']:,} blocks (busy mix, "
+            f"{row['requests']:,} requests' tables claimed), within the overhead budget of "
+            f"target 1 | {wk['median']:.1f} ms of work [{wk['p10']:.1f}-{wk['p90']:.1f}] per "
+            f"sweep; at budget {100 * row['budget_fraction']:.1f} % of scheduler time: K = "
+            f"{k['0.5']:,.0f} / {k['2']:,.0f} / {k['10']:,.0f} steps per sweep at 0.5 / 2 / 10 ms "
+            f"of scheduler time per step; detection within 3K steps | measured |")
     s, sb = scrape["ms"], scrape["ms_after_10M_served"]
     lines.append(
         f"| 3 | GET /metrics, 8 engines, 1,000 live requests < 10 ms, flat in requests served | "
@@ -83,8 +104,20 @@ def render() -> str:
               "block (its owner in the ledger). What it would take: ref counts and hashes "
               "kept by vLLM in arrays (one `numpy` view instead of a million objects), or "
               "a ledger kept as arrays indexed by block id so the comparison is vectorised; "
-              "both are larger changes than this release. The online audit (issue 9) audits "
-              "slices of the pool per step instead, which is where the busy mix matters.",
+              "both are larger changes than this release.",
+              "", "## The online audit", "",
+              "Target 1 is measured with the online audit on (the default) and off. Its "
+              "budget is a share of measured scheduler time (`schedule` + "
+              "`update_from_output`), so its direct cost is the budget by construction (the "
+              "row shows what it really spent); what remains is cache and bookkeeping. With a "
+              "budget of 1 % the same bench measured 1.020x (pooled medians) and 1.029x "
+              "(means): too close to the 1.02x target, hence the 0.5 % default. Rows 9 give "
+              "the work of one sweep of a large pool, from which the sweep length K follows "
+              "for any scheduler time per step: a larger budget "
+              "(`KVGUARD_ONLINE_BUDGET_FRACTION`) shortens K and the detection latency (at "
+              "most three sweeps) in proportion. A real engine that never drains (the tests "
+              "in `tests/vllm/test_online_audit_engine.py`) reports the measured K and "
+              "latency in its state (`online`) and metrics.",
               "", "## Method", ""]
     for script in SCRIPTS:
         doc = (HERE / script).read_text().split('"""')[1].strip()

@@ -73,8 +73,8 @@ class KvguardConfig:
     """Wait after that cache return before reading process-level numbers (no return: no wait)."""
     online_audit: bool = True
     """Audit ownership between engine steps under load, without waiting for a drain."""
-    online_budget_fraction: float = 0.01
-    """Audit time per second of scheduler time (0.01: 1 %); sets how fast a sweep covers
+    online_budget_fraction: float = 0.005
+    """Audit time per second of scheduler time (0.005: 0.5 %); sets how fast a sweep covers
     the pool."""
     online_max_pause_seconds: float = 0.002
     """Most audit time at one step boundary (an idle gap never buys a longer pause)."""
@@ -106,7 +106,7 @@ class KvguardConfig:
                 raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")
         if not 0.0 < self.online_budget_fraction <= 0.5:
             raise ConfigError("KVGUARD_ONLINE_BUDGET_FRACTION", self.online_budget_fraction,
-                              "a fraction of step time in (0, 0.5], e.g. 0.01")
+                              "a fraction of scheduler time in (0, 0.5], e.g. 0.005")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
         if self.engine_name is not None and not re.match(ENGINE_NAME_PATTERN, self.engine_name):

@@ -51,6 +51,7 @@ from typing import Protocol, cast
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import OwnershipLedger, RequestRecord
 from kvguard.core.reconciler import ReconcileOptions, judge_block
+from kvguard.core.snapshot import count_falsy
 from kvguard.core.types import BlockId, BlockState, Evidence, RequestId, RequestPhase
 
 Fingerprint = tuple[object, ...]
@@ -88,8 +89,8 @@ class PoolAccess(Protocol):
 class OnlineOptions:
     """How much the online audit may cost, and how it judges holds. Seconds, ratios."""
 
-    budget_fraction: float = 0.01
-    """Audit time per second of scheduler time (0.01: at most 1 % of it)."""
+    budget_fraction: float = 0.005
+    """Audit time per second of scheduler time (0.005: at most 0.5 % of it)."""
     max_pause_seconds: float = 0.002
     """Most audit time banked for one step, so that an idle gap never buys a long pause."""
     slice_blocks: int = 256
@@ -326,7 +327,7 @@ class OnlineAuditor:
         counts[BlockState.ACTIVE] += fast_active
         # Blocks not checked: ref count 0, no owner, in the free queue (or unknown).
         rest = (hi - lo) - len(check) - len(nulls_here)
-        cached_rest = (hi - lo) - _count_falsy(cached) - cached_checked \
+        cached_rest = (hi - lo) - count_falsy(cached) - cached_checked \
             - sum(1 for b in nulls_here if cached[b - lo])
         counts[BlockState.CACHED] += cached_rest
         counts[BlockState.FREE] += rest - cached_rest
@@ -444,12 +445,3 @@ def judge_fingerprint(
 
 def _owner_key(owners: Mapping[RequestId, int]) -> tuple[tuple[str, int], ...]:
     return tuple(sorted(owners.items()))
-
-
-def _count_falsy(seq: Sequence[object]) -> int:
-    if isinstance(seq, list):
-        if seq and isinstance(seq[0], int):
-            return seq.count(False)
-        return seq.count(None)
-    return sum(1 for x in seq if not x)
-

@@ -42,7 +42,7 @@ from kvguard.core.ledger import (
     RequestRecord,
     client_request_id,
 )
-from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.snapshot import PoolSnapshot, count_falsy
 from kvguard.core.types import (
     AcquireKind,
     BlockId,
@@ -216,41 +216,36 @@ def _classify_sparse(
     live = {r.request_id for r in ledger.records() if r.phase.is_live}
     unattributed = cast(Mapping[int, int], ledger.unattributed_map())
     n_zero = refs.count(0) - sum(1 for b in nulls if b < n and refs[b] == 0)
-    zero_done = cached_done = active = 0
-    for b in sorted(todo):
+    zero_done = cached_done = active = cached_nonzero = 0
+    owners_get = owners_map.get
+    slow: list[int] = []
+    for b in todo:  # the common case first, in any order
         if b >= n:
             continue
-        rc = refs[b]
-        if rc > 0:
-            owners = owners_map.get(b)
-            if isinstance(owners, str) and rc == 1 and owners in live \
-                    and b not in unattributed and b not in dbl:
+        if refs[b] == 1:
+            o = owners_get(b)
+            if o.__class__ is str and o in live and b not in unattributed and b not in dbl:
                 active += 1  # one live owner, one reference: nothing more to check
+                if cached[b]:
+                    cached_nonzero += 1
                 continue
-        elif rc == 0:
+        slow.append(b)
+    for b in sorted(slow):  # block order: findings list block ids in order
+        rc = refs[b]
+        if rc == 0:
             zero_done += 1
             if cached[b]:
                 cached_done += 1
+        elif cached[b]:
+            cached_nonzero += 1
         _classify(BlockId(b), rc, bool(cached[b]), None, ledger, dbl.get(b), counts, out)
     counts[BlockState.ACTIVE] += active
     cached_zero_nulls = sum(1 for b in nulls if b < n and refs[b] == 0 and cached[b])
-    cached_total = n - _count_falsy(cached)
-    cached_nonzero = sum(1 for b in todo if b < n and refs[b] != 0 and cached[b])
+    cached_total = n - count_falsy(cached)
     n_cached = cached_total - cached_nonzero - cached_done - cached_zero_nulls
     counts[BlockState.CACHED] += n_cached
     counts[BlockState.FREE] += n_zero - zero_done - n_cached
     return n_zero
-
-
-def _count_falsy(seq: Sequence[object]) -> int:
-    """Number of falsy entries, at C speed for lists of hashes-or-None and for bools."""
-    if isinstance(seq, (bytes, bytearray)):
-        return seq.count(0)
-    if isinstance(seq, list):
-        if seq and isinstance(seq[0], int):  # bools or 0/1 (False == 0 counts both)
-            return seq.count(False)
-        return seq.count(None)  # hashes, None when not cached
-    return sum(1 for x in seq if not x)
 
 
 def judge_block(

@@ -50,3 +50,19 @@ class PoolSnapshot:
     def capacity(self) -> int:
         """Usable blocks: every block but the null blocks."""
         return len(self.ref_counts) - len(self.null_block_ids)
+
+
+def count_falsy(seq: Sequence[object]) -> int:
+    """Falsy entries of a snapshot array, at C speed for lists of bools or hashes-or-None.
+
+    vLLM's block hashes are ``bytes``, whose comparison with ``None`` is C-level, so
+    ``list.count(None)`` is the fastest count (twice as fast as counting by identity).
+    Do not use it on lists of Python objects with a Python ``__eq__`` (dataclasses).
+    """
+    if isinstance(seq, (bytes, bytearray)):
+        return seq.count(0)
+    if isinstance(seq, list):
+        if seq and isinstance(seq[0], int):  # bools or 0/1 (False == 0 counts both)
+            return seq.count(False)
+        return seq.count(None)
+    return sum(1 for x in seq if not x)

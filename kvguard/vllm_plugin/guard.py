@@ -63,8 +63,14 @@ def guard_of(scheduler: Any) -> EngineGuard | None:
 class HookErrors:
     """Failures inside kvguard hook code: counted per hook, logged once per hook."""
 
+    LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output",
+                             "finish_requests"})
+    """Hooks whose failure cannot leave the ledger short of events."""
+
     def __init__(self) -> None:
         self.by_hook: Counter[str] = Counter()
+        self.ledger_errors = 0
+        """Failures in hooks that feed the ledger (its records may now be incomplete)."""
 
     @property
     def total(self) -> int:
@@ -73,6 +79,8 @@ class HookErrors:
     def record(self, hook: str, exc: BaseException) -> None:
         first = hook not in self.by_hook
         self.by_hook[hook] += 1
+        if hook not in self.LEDGER_SAFE:
+            self.ledger_errors += 1
         if first:
             log.error("kvguard hook %s failed (%s: %s); the engine continues, the error is "
                       "counted in kvguard_hook_errors_total and not logged again for this hook",
@@ -236,6 +244,8 @@ class EngineGuard:
             # (as an orphan) and a healthy pool is clean again.
             self.ledger.reset()
             self._ledger_errors_seen = self._ledger_error_count()
+            if self.online is not None:
+                self.online.restart()  # its suspects refer to the old records
             return self._record(skipped_report(
                 f"kvguard's ownership records are incomplete ({lost} hook error(s) since the "
                 "last checkpoint, see kvguard_hook_errors_total); it started fresh records "
@@ -259,9 +269,9 @@ class EngineGuard:
                 report = with_attribution(
                     report, self.attributor.checkpoint(report.checkpoint_id, report.pool))
         if self.online is not None:
-            # A drained audit supersedes what the online audit had: it starts over, and
-            # reports again only when its confirmed findings differ from these.
-            self.online.restart()
+            # A drained audit supersedes what the online audit reported: the online audit
+            # reports again only when its confirmed findings differ from these. Its sweep
+            # goes on (suspects stay comparable: the ledger was not reset).
             self._online_key = _findings_key(report)
         return self._record(report)
 
@@ -348,17 +358,11 @@ class EngineGuard:
             restarts_total=st.restarts_total,
         )
 
-    # Hooks whose failure can leave the ledger short of events (publishing, attribution
-    # and the end-of-step bookkeeping cannot).
-    _NON_LEDGER_HOOKS = frozenset({"publish", "attribution", "update_from_output",
-                                   "finish_requests"})
-
     def _ledger_error_count(self) -> int:
-        return sum(n for hook, n in self.errors.by_hook.items()
-                   if hook not in self._NON_LEDGER_HOOKS)
+        return self.errors.ledger_errors
 
     def _ledger_errors_since_checkpoint(self) -> int:
-        return self._ledger_error_count() - self._ledger_errors_seen
+        return self.errors.ledger_errors - self._ledger_errors_seen
 
     def _take_id(self) -> int:
         self._next_checkpoint_id += 1

@@ -8,7 +8,8 @@ Must run on the engine's scheduler thread, between steps.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Any
 
 from kvguard.core.snapshot import PoolSnapshot
@@ -107,7 +108,9 @@ class VllmPoolAccess:
         sl = self._blocks[lo:hi]
         refs: list[int] = list(map(_REF_CNT, sl))
         cached: list[Any] = list(map(self._hash, sl))
-        out_of_queue = list(map(_PREV, sl)).count(None) if self._has_queue else None
+        # Counted by identity: comparing blocks to None would run their Python __eq__.
+        out_of_queue = sum(map(is_, map(_PREV, sl), repeat(None))) if self._has_queue \
+            else None
         return refs, cached, out_of_queue
 
     def in_free_queue(self, lo: int, hi: int) -> list[bool]:

@@ -7,8 +7,9 @@ point (``VLLM_PLUGINS=kvguard``) and needs no import from user code.
 
 from kvguard.config import KvguardConfig
 from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.online import OnlineAuditor, OnlineOptions, PoolAccess, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
-from kvguard.core.report import CheckpointReport, LeakReport, PoolReport
+from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport, PoolReport
 from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.types import (
     BlockState,
@@ -26,7 +27,7 @@ from kvguard.errors import (
     TransportError,
 )
 from kvguard.transport.reader import read_run_dir
-from kvguard.transport.state import EngineState
+from kvguard.transport.state import EngineState, OnlineState
 from kvguard.version import __version__
 
 __all__ = [
@@ -42,11 +43,17 @@ __all__ = [
     "LeakCause",
     "LeakPath",
     "LeakReport",
+    "OnlineAuditor",
+    "OnlineOptions",
+    "OnlineState",
+    "OnlineSweepReport",
     "OwnershipLedger",
+    "PoolAccess",
     "PoolReport",
     "PoolSnapshot",
     "ProtocolError",
     "ReconcileOptions",
+    "SweepResult",
     "TransportError",
     "Verdict",
     "__version__",

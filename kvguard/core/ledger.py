@@ -137,6 +137,10 @@ class OwnershipLedger:
     def records(self) -> Iterable[RequestRecord]:
         return self._records.values()
 
+    def records_map(self) -> Mapping[RequestId, RequestRecord]:
+        """Request -> record, read-only, for audits (a lookup without a method call)."""
+        return self._records
+
     def owners_of(self, block_id: BlockId) -> Mapping[RequestId, int]:
         owners = self._owners.get(block_id)
         if owners is None:

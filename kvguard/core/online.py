@@ -163,6 +163,18 @@ class OnlineStats:
 
 
 @dataclass(slots=True)
+class _Judged:
+    """One slice, judged: state counts of the checked blocks and their suspects."""
+
+    counts: dict[BlockState, int] = field(default_factory=lambda: {s: 0 for s in BlockState})
+    suspects: dict[int, Fingerprint] = field(default_factory=dict)
+    n_positive: int = 0
+    """Checked blocks with ref count > 0 (they must be out of the free queue)."""
+    cached: int = 0
+    """Checked blocks with a prefix hash."""
+
+
+@dataclass(slots=True)
 class _Confirmed:
     fingerprint: Fingerprint
     findings: list[Finding] = field(default_factory=list)
@@ -282,58 +294,82 @@ class OnlineAuditor:
         if lo >= hi:
             return True
         refs, cached, n_out = self.pool.read(lo, hi)
-        ledger = self.ledger
-        nulls = self.pool.null_block_ids
         ids = range(lo, hi)
-        owners = cast(Mapping[int, object], ledger.owners_map())
-        unattr = cast(Mapping[int, int], ledger.unattributed_map())
+        owners = cast(Mapping[int, object], self.ledger.owners_map())
+        unattr = cast(Mapping[int, int], self.ledger.unattributed_map())
         check = set(compress(ids, refs))
         if owners:
             check |= owners.keys() & ids
         if unattr:
             check |= unattr.keys() & ids
-        nulls_here = [b for b in nulls if lo <= b < hi]
+        nulls_here = [b for b in self.pool.null_block_ids if lo <= b < hi]
         check.difference_update(nulls_here)
-        n_pos = sum(1 for b in check if refs[b - lo] > 0)
-        in_q: Sequence[bool] | None = None
-        if n_out is not None and n_out != n_pos + len(nulls_here):
+        judged = self._judge(lo, refs, cached, check, None, wall)
+        if n_out is not None and n_out != judged.n_positive + len(nulls_here):
             # Some block's free-queue membership contradicts its ref count: judge every
-            # block of this slice with its membership (a corrupt pool; rare).
+            # block of this slice again, with its membership (a corrupt pool; rare).
             in_q = self.pool.in_free_queue(lo, hi)
             check = set(ids).difference(nulls_here)
+            judged = self._judge(lo, refs, cached, check, in_q, wall)
+        else:
+            in_q = None
         counts = self._counts
-        opts = self.opts
-        suspects: dict[int, Fingerprint] = {}
-        fast_active = cached_checked = 0
-        finished = RequestPhase.FINISHED
-        for b in check:
-            rc = refs[b - lo]
-            is_cached = bool(cached[b - lo])
-            if is_cached:
-                cached_checked += 1
-            if rc > 0 and in_q is None:
-                o = owners.get(b)
-                if o.__class__ is str and rc == 1 and b not in unattr:
-                    rec = ledger.record(cast(RequestId, o))
-                    if rec is not None and rec.phase is not finished:
-                        fast_active += 1
-                        continue
-            state, fp = judge_fingerprint(
-                BlockId(b), rc, is_cached, None if in_q is None else bool(in_q[b - lo]),
-                ledger, wall, opts.delayed_free_bound_seconds)
-            counts[state] += 1
-            if fp is not None:
-                suspects[b] = fp
-        counts[BlockState.ACTIVE] += fast_active
+        for state, k in judged.counts.items():
+            counts[state] += k
         # Blocks not checked: ref count 0, no owner, in the free queue (or unknown).
         rest = (hi - lo) - len(check) - len(nulls_here)
-        cached_rest = (hi - lo) - count_falsy(cached) - cached_checked \
+        cached_rest = (hi - lo) - count_falsy(cached) - judged.cached \
             - sum(1 for b in nulls_here if cached[b - lo])
         counts[BlockState.CACHED] += cached_rest
         counts[BlockState.FREE] += rest - cached_rest
         self.stats.blocks_audited_total += hi - lo
-        self._confirm(lo, hi, refs, cached, in_q, suspects, wall)
+        self._confirm(lo, hi, refs, cached, in_q, judged.suspects, wall)
         return hi >= n
+
+    def _judge(self, lo: int, refs: list[int], cached: Sequence[object], check: set[int],
+               in_q: Sequence[bool] | None, wall: float) -> _Judged:
+        """Judge the blocks in ``check`` (ids; ``refs``/``cached`` start at ``lo``).
+
+        The common case, one reference held by one live owner, takes a few dict lookups;
+        everything else goes through :func:`judge_fingerprint`.
+        """
+        ledger = self.ledger
+        owners_get = cast(Mapping[int, object], ledger.owners_map()).get
+        unattr = cast(Mapping[int, int], ledger.unattributed_map())
+        records_get = ledger.records_map().get
+        bound = self.opts.delayed_free_bound_seconds
+        finished = RequestPhase.FINISHED
+        out = _Judged()
+        counts = out.counts
+        suspects = out.suspects
+        fast = n_pos = n_cached = 0
+        for b in check:
+            i = b - lo
+            rc = refs[i]
+            if rc == 1 and in_q is None:
+                o = owners_get(b)
+                if o.__class__ is str and b not in unattr:
+                    rec = records_get(cast(RequestId, o))
+                    if rec is not None and rec.phase is not finished:
+                        fast += 1
+                        if cached[i]:
+                            n_cached += 1
+                        continue
+            if rc > 0:
+                n_pos += 1
+            is_cached = bool(cached[i])
+            if is_cached:
+                n_cached += 1
+            state, fp = judge_fingerprint(
+                BlockId(b), rc, is_cached, None if in_q is None else bool(in_q[i]),
+                ledger, wall, bound)
+            counts[state] += 1
+            if fp is not None:
+                suspects[b] = fp
+        counts[BlockState.ACTIVE] += fast
+        out.n_positive = n_pos + fast
+        out.cached = n_cached
+        return out
 
     def _confirm(self, lo: int, hi: int, refs: list[int], cached: Sequence[object],
                  in_q: Sequence[bool] | None, suspects: dict[int, Fingerprint],

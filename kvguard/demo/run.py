@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from kvguard.cli.render import render_state
-from kvguard.core.types import LeakCause, LeakPath, Verdict
+from kvguard.core.report import CheckpointReport
+from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.tiny_model import make_tiny_model
 from kvguard.demo.workload import run_workload
@@ -51,6 +52,21 @@ def wait_for_checkpoint(run_dir: Path, after: float, timeout: float = 90.0, *,
                 return s
         time.sleep(0.25)
     raise TimeoutError(f"no drained checkpoint in {run_dir} within {timeout:.0f} s")
+
+
+def _online_note(state: EngineState, drained: CheckpointReport) -> str:
+    """What the online audit said while the server was still busy, if anything."""
+    online = [r for r in state.reports if r.evidence is Evidence.ONLINE
+              and r.verdict is Verdict.LEAK and r.taken_at <= drained.taken_at]
+    if not online:
+        return ("The online audit (which judges ownership under load, between engine steps) "
+                "had not confirmed it before the server drained.")
+    first = online[0]
+    who = ", ".join(sorted({leak.client_request_id or leak.request_id or "?"
+                            for leak in first.leaks}))
+    return (f"Under load, {drained.taken_at - first.taken_at:.1f} s before the server drained, "
+            f"the online audit had already reported it (report #{first.checkpoint_id}, "
+            f"evidence: online, request {who}).")
 
 
 def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
@@ -99,6 +115,7 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
                   "and the blocks it still holds, while the prefix cache filling up is not "
                   "reported as a leak." if ok else
                   "UNEXPECTED: the injected leak was not reported as finished_request/abort.")
+            print(_online_note(state, report))
         else:
             ok = report.verdict in (Verdict.CLEAN, Verdict.SATURATED)
             print("As expected: no leak." if ok else "UNEXPECTED: a leak without a fault.")

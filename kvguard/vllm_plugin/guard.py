@@ -63,7 +63,7 @@ def guard_of(scheduler: Any) -> EngineGuard | None:
 class HookErrors:
     """Failures inside kvguard hook code: counted per hook, logged once per hook."""
 
-    LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output",
+    LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests"})
     """Hooks whose failure cannot leave the ledger short of events."""
 

@@ -255,7 +255,10 @@ def install_hooks(g: EngineGuard) -> None:
         def schedule(*args: Any, **kwargs: Any) -> Any:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
-            g.schedule_seconds = perf_counter() - t0  # the online audit's budget basis
+            try:
+                g.schedule_seconds = perf_counter() - t0  # the online audit's budget basis
+            except Exception as exc:
+                errors.record("schedule", exc)
             return ret
         return schedule
 

@@ -177,6 +177,16 @@ def by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, 
     return {lbl[label]: v for lbl, v in samples.get(name, []) if lbl.get("engine") == engine}
 
 
+def summed_by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
+                    engine: str, label: str) -> dict[str, float]:
+    """Like ``by_label``, summing over the other labels (e.g. ``evidence``)."""
+    out: dict[str, float] = {}
+    for lbl, v in samples.get(name, []):
+        if lbl.get("engine") == engine:
+            out[lbl[label]] = out.get(lbl[label], 0.0) + v
+    return out
+
+
 def one_value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
               engine: str) -> float | None:
     vals = [v for lbl, v in samples.get(name, []) if lbl.get("engine") == engine]

@@ -51,7 +51,7 @@ HOOKS_FILE = hooks_module.__file__
 _WRAPPERS = {"get_new_blocks": "get_new_blocks", "touch": "touch",
              "add_request": "add_request", "_preempt_request": "preempt",
              "_free_request": "finish", "_free_request_blocks": "free_request_blocks",
-             "_free_blocks": "free"}
+             "_free_blocks": "free", "update_from_output": "update_from_output"}
 """Hook wrapper function (in hooks.py) -> the name its errors are counted under."""
 _LABELLED = ("release", "step_end")
 """Wrappers shared by several hooks: the name is their ``hook`` closure variable."""

@@ -17,6 +17,7 @@ from _reliability import (
     by_label,
     metric_samples,
     one_value,
+    summed_by_label,
     wait_for,
 )
 from fastapi.testclient import TestClient
@@ -59,7 +60,7 @@ def _sidecar_view(metrics_text: str, checkpoints: list[dict[str, Any]],
     return {
         "capacity": one_value(m, "kvguard_pool_capacity_blocks", engine),
         "pool": by_label(m, "kvguard_pool_blocks", engine, "state"),
-        "checkpoints": by_label(m, "kvguard_checkpoints_total", engine, "verdict"),
+        "checkpoints": summed_by_label(m, "kvguard_checkpoints_total", engine, "verdict"),
         "leaked": by_label(m, "kvguard_leaked_blocks", engine, "cause"),
         "events": by_label(m, "kvguard_request_events_total", engine, "event"),
         "hook_errors": one_value(m, "kvguard_hook_errors_total", engine),
@@ -177,7 +178,7 @@ def test_an_engine_restart_is_a_new_epoch_and_never_mixed_with_the_old_one(
     assert set(by_label(m, "kvguard_leaked_blocks", "phoenix", "cause").values()) == {0.0}
     assert e.g.last_pool is not None
     assert by_label(m, "kvguard_pool_blocks", "phoenix", "state")["held_by_finished"] == 0
-    assert by_label(m, "kvguard_checkpoints_total", "phoenix", "verdict") == {
+    assert summed_by_label(m, "kvguard_checkpoints_total", "phoenix", "verdict") == {
         v.value: float(e.g.checkpoints_total.get(v.value, 0)) for v in Verdict}
     assert history(epoch=new) == [(r.checkpoint_id, new) for r in e.g.reports]
     assert history(epoch=old) == old_history

@@ -58,6 +58,7 @@ def _sizes(g: EngineGuard, store: EngineStore) -> dict[str, int]:
         "guard_verdict_kinds": len(g.checkpoints_total),
         "guard_hook_error_kinds": len(g.errors.by_hook),
         "publisher_pending": int(g.publisher._pending is not None),
+        "online_confirmed": len(g.online.confirmed) if g.online is not None else -1,
         "store_engines": len(store.engines),
         "store_history": len(view.history),
         "store_epochs": len(view.epochs_seen),
@@ -132,8 +133,9 @@ def test_a_mixed_workload_soak_keeps_memory_flat_and_reports_no_false_leak(
           f"events {dict(g.ledger.num_events)}; kvguard-allocated memory "
           f"{bytes0} -> {bytes1} bytes, state file {state0} -> {state1} bytes, "
           f"process RSS {rss0 >> 20} -> {rss1 >> 20} MiB; sizes {sizes1}")
-    assert not false_leaks, [r.explanation for r in false_leaks[:3]]
+    assert not false_leaks, [r.explanation for r in false_leaks[:3]]  # online reports too
     assert g.errors.total == 0
+    assert g.online is not None and g.online.stats.sweeps_total > 0
     assert sizes1 == sizes0
     assert sizes1["ledger_records"] == sizes1["ledger_ownerships"] == 0
     assert sizes1["guard_reports"] == ENGINE_HISTORY

@@ -1,0 +1,29 @@
+"""`kvguard report` text: an online finding says it is one, with the audit's pace."""
+
+from __future__ import annotations
+
+from factories import report, state
+
+from kvguard.cli.render import render_state
+from kvguard.core.report import LeakReport, OnlineSweepReport
+from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
+from kvguard.transport.state import OnlineState
+
+
+def test_online_report_and_audit_pace_are_rendered() -> None:
+    leak = LeakReport(request_id="victim-0000000a", client_request_id="victim",
+                      cause=LeakCause.FINISHED_REQUEST, path=LeakPath.ABORT, blocks=3,
+                      evidence=Evidence.ONLINE)
+    sweep = OnlineSweepReport(sweep_steps=9, sweep_seconds=0.011, audit_seconds=0.0001,
+                              budget_fraction=0.005, detection_latency_steps=27,
+                              detection_latency_seconds=0.033, delayed_free_bound_seconds=30.0)
+    r = report(5).model_copy(update={
+        "drained": False, "evidence": Evidence.ONLINE, "verdict": Verdict.LEAK,
+        "leaks": [leak], "online": sweep, "explanation": "Online audit under load: ..."})
+    online = OnlineState(budget_fraction=0.005, sweeps_total=420, audit_seconds_total=0.04,
+                         last_sweep_steps=9, last_sweep_seconds=0.011,
+                         detection_latency_steps=27, detection_latency_seconds=0.033)
+    text = render_state(state([r]).model_copy(update={"online": online}))
+    assert "online audit #5" in text and "verdict: LEAK" in text
+    assert "online audit: 420 sweeps, the last 9 steps (0.01 s); detection within 27 steps" in text
+    assert "victim" in text and "finished_request" in text and "abort" in text

@@ -22,7 +22,7 @@ from typing import Any
 from common import save, stats
 
 CONCURRENCY = 64
-ROUNDS = 40
+ROUNDS = 100
 MAX_TOKENS = 96
 
 

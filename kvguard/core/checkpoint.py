@@ -49,21 +49,9 @@ def build_report(
 ) -> CheckpointReport:
     """The report of a drained checkpoint."""
     verdict, explanation = decide(rec, saturation_ratio=saturation_ratio)
-    return CheckpointReport(
-        checkpoint_id=checkpoint_id,
-        engine=engine,
-        epoch=epoch,
-        taken_at=taken_at,
-        drained=True,
-        verdict=verdict,
-        pool=pool_report(rec),
-        saturation_ratio=min(1.0, rec.states.saturation_ratio),
-        finished_requests_holding_blocks=rec.finished_requests_holding,
-        leaks=[leak_report(f) for f in rec.findings],
-        leaked_blocks_by_cause=rec.leaked_blocks_by_cause(),
-        explanation=explanation,
-        audit_seconds=audit_seconds,
-    )
+    return _judged_report(rec, verdict, explanation, checkpoint_id=checkpoint_id,
+                          engine=engine, epoch=epoch, taken_at=taken_at, drained=True,
+                          audit_seconds=audit_seconds)
 
 
 def online_report(
@@ -81,12 +69,23 @@ def online_report(
     verdict, explanation = decide_online(
         rec, sweep_steps=sweep.sweep_steps, sweep_seconds=sweep.sweep_seconds,
         saturation_ratio=saturation_ratio)
+    return _judged_report(rec, verdict, explanation, checkpoint_id=checkpoint_id,
+                          engine=engine, epoch=epoch, taken_at=taken_at, drained=False,
+                          audit_seconds=result.busy_seconds, evidence=Evidence.ONLINE,
+                          online=sweep)
+
+
+def _judged_report(
+    rec: Reconciliation, verdict: Verdict, explanation: str, *, checkpoint_id: int,
+    engine: str, epoch: str, taken_at: float, drained: bool, audit_seconds: float,
+    evidence: Evidence = Evidence.DRAINED, online: OnlineSweepReport | None = None,
+) -> CheckpointReport:
     return CheckpointReport(
         checkpoint_id=checkpoint_id,
         engine=engine,
         epoch=epoch,
         taken_at=taken_at,
-        drained=False,
+        drained=drained,
         verdict=verdict,
         pool=pool_report(rec),
         saturation_ratio=min(1.0, rec.states.saturation_ratio),
@@ -94,9 +93,9 @@ def online_report(
         leaks=[leak_report(f) for f in rec.findings],
         leaked_blocks_by_cause=rec.leaked_blocks_by_cause(),
         explanation=explanation,
-        audit_seconds=result.busy_seconds,
-        evidence=Evidence.ONLINE,
-        online=sweep,
+        audit_seconds=audit_seconds,
+        evidence=evidence,
+        online=online,
     )
 
 

@@ -52,7 +52,14 @@ from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import OwnershipLedger, RequestRecord
 from kvguard.core.reconciler import ReconcileOptions, judge_block
 from kvguard.core.snapshot import count_falsy
-from kvguard.core.types import BlockId, BlockState, Evidence, RequestId, RequestPhase
+from kvguard.core.types import (
+    BlockId,
+    BlockState,
+    Evidence,
+    LeakCause,
+    RequestId,
+    RequestPhase,
+)
 
 Fingerprint = tuple[object, ...]
 """What a suspect block looked like at one audit; equal at two audits = confirmed."""
@@ -394,11 +401,20 @@ class OnlineAuditor:
                     ReconcileOptions(now=wall, evidence=Evidence.ONLINE,
                                      delayed_free_bound_seconds=(
                                          self.opts.delayed_free_bound_seconds)))
+                # A block shared by several finished requests: only those past their
+                # bound are named (the fingerprint already said at least one is).
+                findings = [f for f in findings if not self._legit_finding(f, wall)]
                 if findings:
                     self.confirmed[b] = _Confirmed(fp, findings)
                     self.stats.confirmed_total += 1
                 continue
             self._seen[b] = fp
+
+    def _legit_finding(self, f: Finding, wall: float) -> bool:
+        if f.cause is not LeakCause.FINISHED_REQUEST or f.request_id is None:
+            return False
+        rec = self.ledger.record(f.request_id)
+        return rec is not None and _legit_hold(rec, wall, self.opts.delayed_free_bound_seconds)
 
     def findings(self, wall: float) -> list[Finding]:
         """Confirmed suspects grouped per (cause, request, path), like a drained audit's."""

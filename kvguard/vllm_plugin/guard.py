@@ -129,7 +129,6 @@ class EngineGuard:
         self.online_checkpoints_total: Counter[str] = Counter()
         self._online_key: frozenset[tuple[str, str | None, str, int]] | None = None
         """The findings of the last report (online or drained): online reports only on change."""
-        self._last_sweep: SweepResult | None = None
         self.config = config  # builds the online auditor
         _GUARDS[self.engine] = self
 
@@ -313,7 +312,6 @@ class EngineGuard:
     def _on_sweep(self, result: SweepResult) -> None:
         online = self.online
         assert online is not None
-        self._last_sweep = result
         self.last_pool = pool_report(result.reconciliation())
         if not result.can_confirm:
             return

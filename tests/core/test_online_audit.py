@@ -283,3 +283,20 @@ def test_fingerprint_of_consistent_and_suspect_blocks() -> None:
                                                                            None)
     state, fp = judge_fingerprint(free, 0, False, False, h.ledger, h.t, 30.0)
     assert state is BlockState.ORPHANED and fp is not None and fp[0] == "unreachable"
+
+
+def test_a_block_shared_with_a_transfer_in_flight_names_only_the_leaking_request() -> None:
+    h, reqs = busy_engine(64)
+    a, b = reqs[0], h.admit()
+    shared = a.blocks[0]  # hashed: a prefix hit for b
+    h.prefix_hit(b, [shared], attributed=False)
+    at = h.tick()
+    h.ledger.claim(a.rid, a.blocks)
+    h.ledger.on_request_finished(a.rid, FinishReason.STOPPED, at)
+    h.ledger.on_delayed_free_started(a.rid, at)  # a: transfer in flight, within the bound
+    a.phase = "finished"
+    leak = h.skip_free_on_abort(b)  # b: aborted, its free skipped
+    d = Driver(h)
+    r = detect(d)
+    assert {f.request_id for f in r.findings} == {leak.rid}
+    assert all(f.path is LeakPath.ABORT for f in r.findings)

@@ -24,7 +24,7 @@ from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.tiny_model import make_tiny_model
-from kvguard.demo.workload import run_workload
+from kvguard.demo.workload import cancel_mid_stream, run_workload
 from kvguard.transport.reader import read_run_dir
 from kvguard.transport.state import EngineState
 
@@ -52,6 +52,35 @@ def wait_for_checkpoint(run_dir: Path, after: float, timeout: float = 90.0, *,
                 return s
         time.sleep(0.25)
     raise TimeoutError(f"no drained checkpoint in {run_dir} within {timeout:.0f} s")
+
+
+def fault_fired(run_dir: Path, engine: str = ENGINE_NAME,
+                fault: str = "skip_free_on_abort") -> bool:
+    """Whether the engine's state says the injected ``fault`` has fired at least once."""
+    return any(s.engine == engine and any(f.startswith(f"{fault} (fired ")
+                                          and not f.startswith(f"{fault} (fired 0 ")
+                                          for f in s.faults_enabled)
+               for s in read_run_dir(run_dir).states)
+
+
+def _make_sure_an_abort_arrived(base_url: str, model: str, run_dir: Path,
+                                attempts: int = 3) -> None:
+    """Cancel one more long stream until an abort reached the engine (the fault fired).
+
+    vLLM 0.32 can lose both an abort sent through its API (a fire-and-forget task) and a
+    client's hang-up on a loaded host; the demo then would have nothing to show.
+    """
+    for i in range(attempts + 1):
+        deadline = time.monotonic() + 3.0  # the engine publishes its state every second
+        while time.monotonic() < deadline:
+            if fault_fired(run_dir):
+                return
+            time.sleep(0.25)
+        if i == attempts:
+            break
+        _say("  no abort has reached the engine yet (vLLM lost it); cancelling one more "
+             "stream ...")
+        cancel_mid_stream(base_url, model, f"{ENGINE_NAME} retry {i} " + "w " * 40, 1900)
 
 
 def _online_note(state: EngineState, drained: CheckpointReport) -> str:
@@ -97,9 +126,11 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
             _say(f"  server healthy at {server.base_url} after {time.monotonic() - t0:.0f} s")
             result = run_workload(server.base_url, spec.served_model_name, progress=_progress,
                                   hangup_max_tokens=1900, cancelled_streams=1)
-            ended = time.time()
             _say(f"  workload done: {result.completed} completed, {result.disconnected} "
                  f"disconnected or cancelled mid-stream, {result.failed} failed")
+            if inject_fault:
+                _make_sure_an_abort_arrived(server.base_url, spec.served_model_name, run_dir)
+            ended = time.time()
             _say("  waiting for the engine to drain and kvguard to take a checkpoint ...")
             state = wait_for_checkpoint(run_dir, after=ended - 5.0)
         print()

@@ -34,12 +34,15 @@ def _words(seed: int, n: int) -> str:
 
 def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
                       *, timeout: float = 60.0) -> bool:
-    """Stream a long completion and cancel it through vLLM's abort API after one chunk
-    (asked again after 16 and 128 chunks if the stream still goes on).
+    """Stream a long completion and cancel it: through vLLM's abort API after one chunk
+    (asked again after 16), then by hanging up after 48 if the stream still goes on.
 
     ``POST /inference/v1/abort_requests`` (served with ``--enable-scale-out``) takes the
     engine-client request id: the completion id plus the prompt index (``cmpl-...-0``).
-    Deterministic, unlike a disconnect, which vLLM notices only on a later write.
+    vLLM 0.32 runs that abort as a fire-and-forget ``asyncio.create_task`` whose task
+    nothing references, so on a loaded host the abort can be lost (garbage-collected
+    before it runs); the stream then goes on. Hanging up is the second way: vLLM
+    notices the disconnect at its next write and aborts the request the same way.
     Returns False when the stream ended early (cancelled).
     """
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
@@ -53,15 +56,16 @@ def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
                 continue
             chunks += 1
             if chunks in _ABORT_AT_CHUNKS:
-                # Asked again while the stream goes on: on a loaded host vLLM has been
-                # seen to let the first abort pass (the stream then ran to the end).
                 rid = json.loads(line[5:])["id"]
                 client.post("/inference/v1/abort_requests",
                             json={"request_ids": [f"{rid}-0"]}).raise_for_status()
+            elif chunks >= _HANG_UP_AT_CHUNK:
+                return False  # leaving the block closes the connection: a disconnect
     return chunks >= max_tokens
 
 
-_ABORT_AT_CHUNKS = frozenset({1, 16, 128})
+_ABORT_AT_CHUNKS = frozenset({1, 16})
+_HANG_UP_AT_CHUNK = 48
 
 
 def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int,

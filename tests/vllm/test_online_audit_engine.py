@@ -40,7 +40,10 @@ class Watch:
             leaks = [r for r in self.h.online_reports() if r.verdict is Verdict.LEAK]
             if leaks:
                 return leaks[-1], n
-        raise AssertionError(f"no online leak report in {max_steps} steps")
+        raise AssertionError(
+            f"no online leak report in {max_steps} steps: {self.h.guard.online_state()}; "
+            f"confirmed {[c.fingerprint for c in online.confirmed.values()]}; "
+            f"reports {[(r.verdict.value, r.evidence.value) for r in self.h.guard.reports]}")
 
 
 def never_draining(engines, **spec: object) -> tuple[Harness, SustainedLoad]:  # type: ignore[no-untyped-def]
@@ -70,6 +73,8 @@ def test_a_long_run_that_never_drains_gives_no_finding(engines) -> None:  # type
     assert not [r for r in g.reports if r.evidence is Evidence.DRAINED]
     online = g.online_state()
     assert online is not None and online.sweeps_total > 10
+    print(f"[online] no fault: {load.steps} steps, {online.sweeps_total} sweeps, events "
+          f"{dict(ev)}; audit {online.audit_seconds_total * 1000:.1f} ms in all")
     reports = h.online_reports()
     assert reports, "the online audit reports once it can confirm (a clean report here)"
     assert all(r.verdict in (Verdict.CLEAN, Verdict.SATURATED) and not r.leaks
@@ -103,7 +108,11 @@ def test_each_injected_leak_is_found_online_within_three_sweeps(
     if fault is not Fault.REFCOUNT_BUMP:
         h.abort(victim)  # the fault fires on this abort
     watch = Watch(h, load)
+    t0 = time.monotonic()
     report, steps = watch.until_online_leak()
+    print(f"[online] {fault.value}: reported after {steps} steps, "
+          f"{time.monotonic() - t0:.3f} s; sweeps of up to {watch.max_sweep_steps} steps "
+          f"(stated bound {3 * watch.max_sweep_steps} steps)")
     assert h.guard.faults.enabled == [f"{fault.value} (fired 1 of 1)"]
     assert report.evidence is Evidence.ONLINE and not report.drained
     assert [(lk.cause, lk.evidence) for lk in report.leaks] == [(cause, Evidence.ONLINE)]
@@ -138,6 +147,7 @@ def test_a_hook_failure_under_load_rebuilds_the_records_with_no_false_alarm(
         if h.blocks_of("late-victim") >= 2:
             break
         load.step()
+    assert h.blocks_of("late-victim") >= 2, "the victim was never scheduled"
     h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
     h.abort("late-victim")
     report, _ = Watch(h, load).until_online_leak()
@@ -173,6 +183,8 @@ def test_a_transfer_that_never_completes_is_found_online_after_its_bound(
     t0 = time.monotonic()
     report, _ = Watch(h, load).until_online_leak(max_steps=100_000)
     waited = time.monotonic() - t0
+    print(f"[online] transfer never completes: reported {waited:.2f} s after the request "
+          f"finished (bound {bound} s)")
     [leak] = report.leaks
     assert (leak.cause, leak.path, leak.client_request_id) == (
         LeakCause.FINISHED_REQUEST, LeakPath.DELAYED_FREE, "never-1")

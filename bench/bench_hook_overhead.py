@@ -4,8 +4,9 @@ Three real in-process engines side by side: kvguard with its online audit (the
 default), kvguard with ``KVGUARD_ONLINE_AUDIT=0`` (hooks and drained
 checkpoints only), and one built with ``KVGUARD_ENABLED=0``. Each round runs 64
 concurrent requests to completion on each engine in turn (the order rotating
-per round: each engine runs alone with warm caches, as in a server); per step, the time spent in ``Scheduler.schedule`` +
-``Scheduler.update_from_output`` is measured (the same timing wrapper on all,
+per round: each engine runs alone with warm caches, as in a server); per step,
+the time spent in ``Scheduler.schedule`` + ``Scheduler.update_from_output`` is
+measured (the same timing wrapper on all,
 outside kvguard's hooks, so kvguard's cost is inside). Only steps with all 64
 requests running count.
 """

@@ -203,12 +203,15 @@ class OnlineAuditor:
         self.confirmed: dict[int, _Confirmed] = {}
         """Blocks seen suspect with one fingerprint on two consecutive audits."""
         self._seen: dict[int, Fingerprint] = {}
-        self.restart()
+        self._forget()
 
     # ------------------------------------------------------------- lifecycle
     def restart(self) -> None:
         """Forget suspects and start a new sweep (after the ledger was reset or rebuilt)."""
         self.stats.restarts_total += 1
+        self._forget()
+
+    def _forget(self) -> None:
         self.confirmed.clear()
         self._seen.clear()
         self._sweep = 0

@@ -93,8 +93,8 @@ def _online_note(state: EngineState, drained: CheckpointReport) -> str:
     first = online[0]
     who = ", ".join(sorted({leak.client_request_id or leak.request_id or "?"
                             for leak in first.leaks}))
-    return (f"Under load, {drained.taken_at - first.taken_at:.1f} s before the server drained, "
-            f"the online audit had already reported it (report #{first.checkpoint_id}, "
+    return (f"Under load, {drained.taken_at - first.taken_at:.1f} s before this drained "
+            f"checkpoint, the online audit had already reported it (report #{first.checkpoint_id}, "
             f"evidence: online, request {who}).")
 
 
@@ -111,8 +111,10 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         spec = EngineSpec(model_dir=model, num_gpu_blocks_override=512, max_model_len=2048,
                           max_num_seqs=8, max_num_batched_tokens=2048,
                           extra={"enable_scale_out": True})
+        # The online audit gets 5 % of scheduler time here (default 0.5 %) so that it
+        # sweeps this pool in a fraction of a second: the demo is short.
         env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
-               "KVGUARD_ENGINE_NAME": ENGINE_NAME}
+               "KVGUARD_ENGINE_NAME": ENGINE_NAME, "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
         if inject_fault:
             env |= {"KVGUARD_ALLOW_FAULTS": "1", "KVGUARD_FAULTS": "skip_free_on_abort=1"}
         _say(f"kvguard demo: a tiny real vLLM server ({spec.num_gpu_blocks_override - 1} KV "
@@ -120,12 +122,15 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         _say("  fault injection: " + ("ON - the first request aborted by a client disconnect "
                                       "will have its block free skipped inside vLLM"
                                       if inject_fault else "off"))
+        _say("  online audit: 5 % of scheduler time for this short demo (default 0.5 %), "
+             "so it judges ownership under load within about a second")
         _say("  starting the server (about 20-40 s) ...")
         t0 = time.monotonic()
         with ServerProcess(spec, log_path=root / "server.log", env=env) as server:
             _say(f"  server healthy at {server.base_url} after {time.monotonic() - t0:.0f} s")
             result = run_workload(server.base_url, spec.served_model_name, progress=_progress,
-                                  hangup_max_tokens=1900, cancelled_streams=1)
+                                  hangup_max_tokens=1900, cancelled_streams=1,
+                                  busy_streams=3)
             _say(f"  workload done: {result.completed} completed, {result.disconnected} "
                  f"disconnected or cancelled mid-stream, {result.failed} failed")
             if inject_fault:

@@ -97,6 +97,7 @@ def run_workload(
     concurrency: int = 4,
     hangup_max_tokens: int = 460,
     cancelled_streams: int = 0,
+    busy_streams: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> WorkloadResult:
     """Run both phases; ``progress(phase, done, total)`` is called after each request.
@@ -106,6 +107,8 @@ def run_workload(
     write and aborts the request. The tiny model generates a token in about a
     millisecond, so the request must be long enough to still be running then
     (1,900 tokens take about 2.5 s here; a few hundred may finish first).
+    ``busy_streams`` long streams run to the end beside the cancelled ones, so the
+    server stays busy after the cancellation (what the online audit is for).
     """
     result = WorkloadResult()
     lock = threading.Lock()
@@ -146,7 +149,7 @@ def run_workload(
         (_words(200 + i, 40), hangup_max_tokens, 2) for i in range(disconnecting_streams)
     ])
     if cancelled_streams:
-        phase("streams cancelled via abort API", [
+        phase("streams cancelled via abort API, beside busy streams", [
             (_words(300 + i, 40), hangup_max_tokens, 0) for i in range(cancelled_streams)
-        ])
+        ] + [(_words(400 + i, 40), hangup_max_tokens, None) for i in range(busy_streams)])
     return result

@@ -84,14 +84,18 @@ def metrics_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("observability")
     run_dir = root / "run"
     spec = EngineSpec(model_dir=make_tiny_model(root / "model"), max_num_seqs=8)
+    # The workload is short (a few hundred engine steps): the online audit gets 5 % of
+    # scheduler time (default 0.5 %) so that its sweeps complete and its series exist.
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
            "KVGUARD_ENGINE_NAME": "dp0", "KVGUARD_ALLOW_FAULTS": "1",
-           "KVGUARD_FAULTS": "refcount_bump=1,skip_free_on_abort=1"}
+           "KVGUARD_FAULTS": "refcount_bump=1,skip_free_on_abort=1",
+           "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
     with ServerProcess(spec, log_path=root / "server.log", env=env) as server:
         run_workload(server.base_url, spec.served_model_name, shared_prefix_streams=8,
                      disconnecting_streams=4)
         state = wait_for_checkpoint(run_dir, after=time.time() - 5.0, engine="dp0")
         assert state.latest_report is not None and state.latest_report.verdict.value == "leak"
+        assert state.online is not None and state.online.sweeps_total >= 2, state.online
         port = _free_port()
         sidecar = subprocess.Popen(
             [sys.executable, "-m", "kvguard.cli.main", "sidecar", "--host", "127.0.0.1",

@@ -107,8 +107,9 @@ def run_workload(
     write and aborts the request. The tiny model generates a token in about a
     millisecond, so the request must be long enough to still be running then
     (1,900 tokens take about 2.5 s here; a few hundred may finish first).
-    ``busy_streams`` long streams run to the end beside the cancelled ones, so the
-    server stays busy after the cancellation (what the online audit is for).
+    ``busy_streams`` long streams run to the end beside the disconnecting and the
+    cancelled ones (they should be fewer than ``concurrency``), so the server stays
+    busy after each abort: what the online audit is for.
     """
     result = WorkloadResult()
     lock = threading.Lock()
@@ -145,11 +146,15 @@ def run_workload(
     phase("shared-prefix streams", [
         (f"{prefix} {_words(100 + i, 8)}", 16, None) for i in range(shared_prefix_streams)
     ])
-    phase("clients disconnecting mid-stream", [
+    def busy(base: int) -> list[tuple[str, int, int | None]]:
+        # First in the list: they take workers first and run while the others are cut.
+        return [(_words(base + i, 40), hangup_max_tokens, None) for i in range(busy_streams)]
+
+    phase("clients disconnecting mid-stream", busy(400) + [
         (_words(200 + i, 40), hangup_max_tokens, 2) for i in range(disconnecting_streams)
     ])
     if cancelled_streams:
-        phase("streams cancelled via abort API, beside busy streams", [
+        phase("streams cancelled via abort API", busy(500) + [
             (_words(300 + i, 40), hangup_max_tokens, 0) for i in range(cancelled_streams)
-        ] + [(_words(400 + i, 40), hangup_max_tokens, None) for i in range(busy_streams)])
+        ])
     return result

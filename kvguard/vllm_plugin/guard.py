@@ -129,6 +129,8 @@ class EngineGuard:
         self.online_checkpoints_total: Counter[str] = Counter()
         self._online_key: frozenset[tuple[str, str | None, str, int]] | None = None
         """The findings of the last report (online or drained): online reports only on change."""
+        self._online_quiet_until = 0
+        """No online report before this many sweeps (set by drained checkpoints)."""
         self.config = config  # builds the online auditor
         _GUARDS[self.engine] = self
 
@@ -269,9 +271,13 @@ class EngineGuard:
                     report, self.attributor.checkpoint(report.checkpoint_id, report.pool))
         if self.online is not None:
             # A drained audit supersedes what the online audit reported: the online audit
-            # reports again only when its confirmed findings differ from these. Its sweep
-            # goes on (suspects stay comparable: the ledger was not reset).
+            # reports again only when its confirmed findings differ from these, and not
+            # before every block was audited twice after this checkpoint (the sweep in
+            # progress, then two full ones), so that it never contradicts the drained
+            # verdict with findings it has not had the time to confirm. Its sweep goes on
+            # (suspects stay comparable: the ledger was not reset).
             self._online_key = _findings_key(report)
+            self._online_quiet_until = self.online.stats.sweeps_total + 3
         return self._record(report)
 
     # ----------------------------------------------------------- online audit
@@ -313,7 +319,7 @@ class EngineGuard:
         online = self.online
         assert online is not None
         self.last_pool = pool_report(result.reconciliation())
-        if not result.can_confirm:
+        if not result.can_confirm or online.stats.sweeps_total < self._online_quiet_until:
             return
         key = frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)
                         for f in result.findings)

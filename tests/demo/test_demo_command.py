@@ -17,8 +17,8 @@ def test_demo_catches_the_injected_abort_leak_and_says_so(tmp_path: Path) -> Non
     assert "finished_request  abort" in out
     assert "As expected: kvguard caught the injected abort-path leak" in out
     assert "FAULT INJECTION ENABLED" in out  # the reader is told faults were on
-    # The leak happened while other streams kept the server busy: the online audit must
-    # have reported it before the drain (unless vLLM lost every abort during the workload
-    # and the demo had to cancel once more on an idle server).
-    retried = "no abort has reached the engine yet" in proc.stderr + out
-    assert retried or "the online audit had already reported it" in out, out
+    # Whether the online audit reported it before the drain depends on when vLLM noticed
+    # the abort (right before a drain, the drained checkpoint comes first); either way the
+    # demo says which.
+    assert ("the online audit had already reported it" in out
+            or "had not confirmed it before the server drained" in out), out

@@ -193,3 +193,33 @@ def test_a_transfer_that_never_completes_is_found_online_after_its_bound(
     assert online is not None
     assert waited <= bound + 3 * online.last_sweep_seconds + 1.0, waited
     assert not h.guard.drain_prediction().drains
+
+
+def test_the_online_audit_never_contradicts_a_drained_leak_it_has_not_yet_confirmed(
+    engines,  # type: ignore[no-untyped-def]
+) -> None:
+    """A drained checkpoint finds a leak; load resumes. The online audit must not report
+    'clean' (which would drop kvguard_leaked_blocks to 0) before it could confirm."""
+    h: Harness = engines(num_gpu_blocks_override=128)
+    load = SustainedLoad(h)
+    load.step(400)  # the online audit has swept a few times
+    h.add(prompt(1300, 64), max_tokens=400, rid="victim")
+    h.step_until(lambda: h.blocks_of("victim") >= 2)
+    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+    h.abort("victim")
+    h.run_to_completion()
+    h.drain_scheduler()
+    assert h.latest().verdict is Verdict.LEAK
+    # The timing seen in `kvguard demo`: the leak happened behind the cursor of the sweep
+    # in progress and the engine drained at once, so the audit has no suspicion of it yet.
+    online_auditor = h.guard.online
+    assert online_auditor is not None and online_auditor.stats.sweeps_total >= 2
+    online_auditor.confirmed.clear()
+    online_auditor._seen.clear()
+    before = len(h.guard.reports)
+    load.step(800)
+    online = h.guard.online_state()
+    assert online is not None and online.sweeps_total >= 4
+    later = [r for r in list(h.guard.reports)[before:] if r.evidence is Evidence.ONLINE]
+    assert all(r.verdict is Verdict.LEAK for r in later), [r.verdict for r in later]
+    assert online.confirmed_blocks >= 2  # the online audit sees the same leak

@@ -49,8 +49,8 @@ from time import perf_counter
 from typing import Protocol, cast
 
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
-from kvguard.core.ledger import OwnershipLedger, RequestRecord
-from kvguard.core.reconciler import ReconcileOptions, judge_block
+from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.reconciler import ReconcileOptions, hold_is_legitimate, judge_block
 from kvguard.core.snapshot import count_falsy
 from kvguard.core.types import (
     BlockId,
@@ -417,7 +417,8 @@ class OnlineAuditor:
         if f.cause is not LeakCause.FINISHED_REQUEST or f.request_id is None:
             return False
         rec = self.ledger.record(f.request_id)
-        return rec is not None and _legit_hold(rec, wall, self.opts.delayed_free_bound_seconds)
+        return rec is not None and hold_is_legitimate(
+            rec, wall, self.opts.delayed_free_bound_seconds, deferred=True)
 
     def findings(self, wall: float) -> list[Finding]:
         """Confirmed suspects grouped per (cause, request, path), like a drained audit's."""
@@ -444,16 +445,6 @@ def _held_for(ledger: OwnershipLedger, f: Finding, wall: float) -> float | None:
     if rec is None or rec.finished_at is None:
         return f.held_for_seconds
     return max(0.0, wall - rec.finished_at)
-
-
-def _legit_hold(rec: RequestRecord, now: float, bound: float) -> bool:
-    """A delayed free (transfer in flight) or deferred free younger than ``bound``."""
-    if rec.delayed_free_pending and rec.delayed_free_started_at is not None:
-        return now - rec.delayed_free_started_at < bound
-    if rec.deferred_free_pending:
-        started = rec.finished_at if rec.finished_at is not None else now
-        return now - started < bound
-    return False
 
 
 def judge_fingerprint(
@@ -489,7 +480,7 @@ def judge_fingerprint(
             return BlockState.ACTIVE, None
         return BlockState.ACTIVE, ("drift", rc, expected, _owner_key(owners))
     if recs:
-        if all(_legit_hold(r, now, bound) for r in recs):
+        if all(hold_is_legitimate(r, now, bound, deferred=True) for r in recs):
             return BlockState.HELD_BY_FINISHED, None
         return BlockState.HELD_BY_FINISHED, ("finished", _owner_key(owners), rc)
     if unattr:

@@ -100,11 +100,19 @@ class _Collector:
         f.add_block(block_id)
 
 
-def _hold_is_legitimate(rec: RequestRecord, opts: ReconcileOptions) -> bool:
-    """A delayed free (KV transfer in flight) younger than its bound is not a leak yet."""
-    if not rec.delayed_free_pending or rec.delayed_free_started_at is None:
-        return False
-    return opts.now - rec.delayed_free_started_at < opts.delayed_free_bound_seconds
+def hold_is_legitimate(rec: RequestRecord, now: float, bound: float, *,
+                       deferred: bool = False) -> bool:
+    """A finished request's hold that is not a leak yet: a delayed free (KV transfer in
+    flight) younger than ``bound`` seconds, and with ``deferred`` (between engine steps,
+    where a step may be in flight) a deferred free that began less than ``bound`` ago.
+    At a drained checkpoint no step is in flight, so a deferred free still holding is a
+    leak."""
+    if rec.delayed_free_pending and rec.delayed_free_started_at is not None:
+        return now - rec.delayed_free_started_at < bound
+    if deferred and rec.deferred_free_pending:
+        started = rec.finished_at if rec.finished_at is not None else now
+        return now - started < bound
+    return False
 
 
 def reconcile(
@@ -265,7 +273,8 @@ def judge_block(
 
 def _is_legit_holder(ledger: OwnershipLedger, rid: RequestId, opts: ReconcileOptions) -> bool:
     rec = ledger.record(rid)
-    return rec is not None and _hold_is_legitimate(rec, opts)
+    return rec is not None and hold_is_legitimate(rec, opts.now,
+                                                  opts.delayed_free_bound_seconds)
 
 
 def _classify(

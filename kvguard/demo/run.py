@@ -63,9 +63,11 @@ def fault_fired(run_dir: Path, engine: str = ENGINE_NAME,
                for s in read_run_dir(run_dir).states)
 
 
-def _make_sure_an_abort_arrived(base_url: str, model: str, run_dir: Path,
-                                attempts: int = 3) -> None:
-    """Cancel one more long stream until an abort reached the engine (the fault fired).
+def make_sure_an_abort_arrived(base_url: str, model: str, run_dir: Path, *,
+                               engine: str = ENGINE_NAME, prompt: str | None = None,
+                               attempts: int = 3) -> bool:
+    """Cancel one more long stream until an abort reached the engine (its injected
+    ``skip_free_on_abort`` fired); False if none did after ``attempts`` more cancels.
 
     vLLM 0.32 can lose both an abort sent through its API (a fire-and-forget task) and a
     client's hang-up on a loaded host; the demo then would have nothing to show.
@@ -73,14 +75,15 @@ def _make_sure_an_abort_arrived(base_url: str, model: str, run_dir: Path,
     for i in range(attempts + 1):
         deadline = time.monotonic() + 3.0  # the engine publishes its state every second
         while time.monotonic() < deadline:
-            if fault_fired(run_dir):
-                return
+            if fault_fired(run_dir, engine):
+                return True
             time.sleep(0.25)
         if i == attempts:
             break
         _say("  no abort has reached the engine yet (vLLM lost it); cancelling one more "
              "stream ...")
-        cancel_mid_stream(base_url, model, f"{ENGINE_NAME} retry {i} " + "w " * 40, 1900)
+        cancel_mid_stream(base_url, model, prompt or f"{engine} retry {i} " + "w " * 40, 1900)
+    return False
 
 
 def _online_note(state: EngineState, drained: CheckpointReport) -> str:
@@ -134,7 +137,7 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
             _say(f"  workload done: {result.completed} completed, {result.disconnected} "
                  f"disconnected or cancelled mid-stream, {result.failed} failed")
             if inject_fault:
-                _make_sure_an_abort_arrived(server.base_url, spec.served_model_name, run_dir)
+                make_sure_an_abort_arrived(server.base_url, spec.served_model_name, run_dir)
             ended = time.time()
             _say("  waiting for the engine to drain and kvguard to take a checkpoint ...")
             state = wait_for_checkpoint(run_dir, after=ended - 5.0)

@@ -29,7 +29,7 @@ def _latest_drained(sidecar: str, after: float) -> CheckpointReport | None:
     fresh = [r for r in found if r.drained and r.taken_at > after]
     if len(fresh) < len(reports) or not fresh:
         return None
-    return max(fresh, key=lambda r: sum(r.leaked_blocks_by_cause.values()))
+    return max(fresh, key=lambda r: r.leaked_blocks)
 
 
 def run_remote(url: str, sidecar: str, *, model: str | None = None,

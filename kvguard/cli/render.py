@@ -31,15 +31,15 @@ def render_report(r: CheckpointReport) -> str:
                         ("held_by_finished", p.held_by_finished), ("orphaned", p.orphaned)):
             out.append(f"    {name:<17}{n:>7}  {_bar(n, p.capacity)}")
     if r.leaks:
-        out.append("  leaks:")
+        out.append(f"  leaks: {r.leaked_blocks} distinct block(s)")
         out.append(f"    {'REQUEST':<28}{'CAUSE':<18}{'PATH':<14}{'REASON':<10}"
-                   f"{'BLOCKS':>7}  HELD FOR")
+                   f"{'BLOCKS':>7}{'SHARED':>8}  HELD FOR")
         for leak in r.leaks:
             who = leak.client_request_id or leak.request_id or "-"
             held = f"{leak.held_for_seconds:.1f} s" if leak.held_for_seconds is not None else "-"
             reason = leak.finish_reason.value if leak.finish_reason else "-"
             out.append(f"    {who[:27]:<28}{leak.cause.value:<18}{leak.path.value:<14}"
-                       f"{reason:<10}{leak.blocks:>7}  {held}")
+                       f"{reason:<10}{leak.blocks:>7}{leak.shared_blocks:>8}  {held}")
     out.append("")
     out.extend("  " + line for line in r.explanation.splitlines())
     return "\n".join(out)

@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.types import Evidence, FinishReason, LeakCause, LeakPath, Verdict
 
-REPORT_SCHEMA_VERSION = 1
+REPORT_SCHEMA_VERSION = 2
+"""2: ``leaked_blocks`` and ``LeakReport.shared_blocks`` added; ``leaked_blocks_by_cause``
+counts distinct blocks (1 summed the findings, over-counting prefix-shared blocks)."""
 
 
 class _Model(BaseModel):
@@ -47,7 +49,11 @@ class LeakReport(_Model):
     cause: LeakCause
     finish_reason: FinishReason | None = None
     path: LeakPath
-    blocks: int = Field(ge=0)
+    blocks: int = Field(ge=0, description="Blocks this finding covers. A block shared "
+                        "through the prefix cache by several leaking requests is in each of "
+                        "their findings; the report's ``leaked_blocks`` counts it once.")
+    shared_blocks: int = Field(ge=0, default=0, description="How many of ``blocks`` another "
+                               "finding of this report names too.")
     block_ids: list[int] = Field(default_factory=list, description="At most 32 of them.")
     held_for_seconds: float | None = None
     evidence: Evidence
@@ -301,7 +307,12 @@ class CheckpointReport(_Model):
     saturation_ratio: float = Field(ge=0.0, le=1.0, default=0.0)
     finished_requests_holding_blocks: int = Field(ge=0, default=0)
     leaks: list[LeakReport] = Field(default_factory=list)
-    leaked_blocks_by_cause: dict[LeakCause, int] = Field(default_factory=dict)
+    leaked_blocks: int = Field(ge=0, default=0, description="Distinct leaked blocks over "
+                               "every finding: what the pool lost (x bytes per block = the "
+                               "memory). Not the sum of the findings' ``blocks``.")
+    leaked_blocks_by_cause: dict[LeakCause, int] = Field(
+        default_factory=dict, description="Distinct leaked blocks per cause; a block has one "
+        "cause, so these sum to ``leaked_blocks``.")
     allocator: AllocatorReport | None = None
     device: DeviceReport | None = None
     host: HostReport | None = None

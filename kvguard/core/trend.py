@@ -52,7 +52,7 @@ def trend(reports: Sequence[CheckpointReport], window: int = TREND_WINDOW) -> Tr
     """Judge the last ``window`` judged checkpoints of ``reports`` (oldest first, one epoch)."""
     drained = [r for r in reports if judged(r)][-window:]
     series = tuple(r.finished_requests_holding_blocks for r in drained)
-    leaked = tuple(sum(r.leaked_blocks_by_cause.values()) for r in drained)
+    leaked = tuple(r.leaked_blocks for r in drained)
     n = len(drained)
     if n == 0:
         return Trend(TrendVerdict.INSUFFICIENT_DATA, 0, series,

@@ -93,8 +93,11 @@ def skipped_explanation(reason: str) -> str:
 
 
 def _explain_leak(rec: Reconciliation) -> str:
-    total = sum(f.blocks for f in rec.findings)
-    lines = [f"{total} block(s) leaked in {len(rec.findings)} finding(s)."]
+    total = rec.leaked_blocks()
+    shared = sum(1 for f in rec.findings if f.shared_blocks)
+    lines = [f"{total} block(s) leaked in {len(rec.findings)} finding(s)."
+             + (f" {shared} finding(s) share prefix-cached blocks with another; each block is "
+                "counted once." if shared else "")]
     for f in rec.findings[:5]:
         lines.append("- " + describe_finding(f))
     if len(rec.findings) > 5:
@@ -113,8 +116,9 @@ def describe_finding(f: Finding) -> str:
     if f.cause is LeakCause.FINISHED_REQUEST:
         reason = f.finish_reason.value if f.finish_reason else "unknown"
         ago = f" {f.held_for_seconds:.1f} s ago" if f.held_for_seconds is not None else ""
-        return (f"request {who} finished ({reason}){ago} and still holds {f.blocks} block(s) "
-                f"[path: {_PATH_WORDS[f.path]}]")
+        shared = f" ({f.shared_blocks} shared with another finding)" if f.shared_blocks else ""
+        return (f"request {who} finished ({reason}){ago} and still holds {f.blocks} block(s)"
+                f"{shared} [path: {_PATH_WORDS[f.path]}]")
     if f.cause is LeakCause.DOUBLE_FREE:
         by = f" by request {who}" if who else ""
         return f"{f.blocks} block(s) double-freed{by} [path: {_PATH_WORDS[f.path]}]: {f.detail}"

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 
-STATE_SCHEMA_VERSION = 1
+STATE_SCHEMA_VERSION = 2
+"""2: reports count distinct leaked blocks (report schema 2)."""
 
 
 class OnlineState(BaseModel):

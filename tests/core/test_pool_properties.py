@@ -119,8 +119,14 @@ def assert_drained_findings_exact(h: Harness, rec: Reconciliation) -> None:
 
     assert rec.finished_requests_holding == len(held)
     by_cause_blocks = rec.leaked_blocks_by_cause()
-    assert by_cause_blocks[LeakCause.FINISHED_REQUEST] == sum(held.values())
+    # Distinct blocks: requests that shared a prefix hold its blocks together, once each.
+    leaked_ids = {b for lk in h.leaks for b in lk.blocks}
+    assert by_cause_blocks[LeakCause.FINISHED_REQUEST] == len(leaked_ids)
     assert by_cause_blocks[LeakCause.ORPHAN] == len(orphans)
+    assert rec.leaked_blocks() == len(leaked_ids) + len(orphans)
+    for f in by_cause[LeakCause.FINISHED_REQUEST]:
+        others = {b for g in rec.findings if g is not f for b in g.all_block_ids}
+        assert f.shared_blocks == len(f.all_block_ids & others)
     verdict, explanation = decide(rec)
     if held or orphans:
         assert verdict is Verdict.LEAK

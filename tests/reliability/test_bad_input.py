@@ -120,7 +120,7 @@ def test_truncated_and_garbled_state_files_are_rejected_with_the_reason(tmp_path
         "object-bomb": b'{"a":' * 100_000,
         "not-object": b"[1, 2, 3]",
         "wrong-types": raw.replace(b'"pid":1234', b'"pid":"1234"'),
-        "extra-field": raw.replace(b'{"schema_version":1', b'{"schema_version":1,"x":1'),
+        "extra-field": raw.replace(b'{"schema_version":', b'{"x":1,"schema_version":', 1),
     }
     for label, data in cases.items():
         store = _store_with(tmp_path / label, "dp0.json", data)
@@ -232,9 +232,9 @@ def test_a_state_from_another_kvguard_version_gives_one_clear_error(
     assert store.num_read_errors == 1
     assert len([r for r in caplog.records if "state schema" in r.getMessage()]) == 1
     # The same version number with fields that validate is still refused.
-    same_shape = _valid().model_dump(mode="json") | {"schema_version": 2}
+    same_shape = _valid().model_dump(mode="json") | {"schema_version": STATE_SCHEMA_VERSION + 1}
     (tmp_path / "dp1.json").write_text(json.dumps(same_shape | {"engine": "dp1"}))
-    assert "state schema 2" in read_run_dir(tmp_path).errors["dp1.json"]
+    assert f"state schema {STATE_SCHEMA_VERSION + 1}" in read_run_dir(tmp_path).errors["dp1.json"]
     # The CLI says it once per file, and that no engine could be read.
     out = subprocess.run([sys.executable, "-m", "kvguard.cli.main", "report", "--run-dir",
                           str(tmp_path)], capture_output=True, text=True, timeout=60)

@@ -165,16 +165,20 @@ function leaksTable(latest) {
       h("td", { "data-testid": "leak-cause" }, badge("cause", l.cause)),
       h("td", { "data-testid": "leak-path", text: words(l.path) }),
       h("td", { text: l.finish_reason ? words(l.finish_reason) : "—" }),
-      h("td", { class: "num", "data-testid": "leak-blocks", text: l.blocks,
+      h("td", { class: "num", "data-testid": "leak-blocks",
+                text: l.shared_blocks ? `${l.blocks} (${l.shared_blocks} shared)` : l.blocks,
                 title: l.block_ids?.length ? `block ids: ${l.block_ids.join(", ")}` : null }),
       h("td", { class: "num", "data-testid": "leak-held-for", text: duration(l.held_for_seconds) }),
       h("td", { text: l.evidence }));
   });
-  const total = leaks.reduce((a, l) => a + (l.blocks || 0), 0);
+  // Distinct blocks, as the engine counted them: a prefix-shared block held by several
+  // findings is one block of memory (summing the findings' counts would over-count it).
+  const total = latest.leaked_blocks ?? 0;
   return h("div", { class: "table-wrap" },
     h("table", { class: "leaks", "data-testid": "leaks" },
-      h("caption", { text: `${leaks.length} finding${leaks.length === 1 ? "" : "s"}, ${total} blocks, ` +
-                           `at checkpoint #${latest.checkpoint_id}` }),
+      h("caption", { "data-testid": "leaks-caption",
+                     text: `${leaks.length} finding${leaks.length === 1 ? "" : "s"}, ${total} distinct ` +
+                           `block${total === 1 ? "" : "s"} leaked, at checkpoint #${latest.checkpoint_id}` }),
       h("thead", {}, h("tr", {}, ["request", "cause", "path", "finish", "blocks", "held for", "evidence"]
         .map((c) => h("th", { scope: "col", text: c })))),
       h("tbody", {}, rows)),

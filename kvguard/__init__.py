@@ -6,11 +6,13 @@ point (``VLLM_PLUGINS=kvguard``) and needs no import from user code.
 """
 
 from kvguard.config import KvguardConfig
+from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
+from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.online import OnlineAuditor, OnlineOptions, PoolAccess, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport, PoolReport
-from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 from kvguard.core.types import (
     BlockState,
     Evidence,
@@ -31,13 +33,17 @@ from kvguard.transport.state import EngineState, OnlineState
 from kvguard.version import __version__
 
 __all__ = [
+    "BlockJudgement",
     "BlockState",
+    "Charge",
     "CheckpointReport",
     "ConfigError",
     "CorruptStateError",
     "EngineState",
     "Evidence",
+    "Finding",
     "FinishReason",
+    "HoldRule",
     "KvguardConfig",
     "KvguardError",
     "LeakCause",
@@ -50,13 +56,17 @@ __all__ = [
     "OwnershipLedger",
     "PoolAccess",
     "PoolReport",
+    "PoolSlice",
     "PoolSnapshot",
+    "PoolStates",
     "ProtocolError",
     "ReconcileOptions",
+    "Reconciliation",
     "SweepResult",
     "TransportError",
     "Verdict",
     "__version__",
+    "classify_block",
     "read_run_dir",
     "reconcile",
 ]

@@ -162,6 +162,10 @@ class OwnershipLedger:
         """Blocks with at least one recorded owner or unattributed reference."""
         return self._owners.keys() | self._unattributed.keys()
 
+    def latest_double_free(self, block_id: int) -> DoubleFreeEvent | None:
+        """The most recent remembered release of an unheld reference on ``block_id``."""
+        return next((e for e in reversed(self.double_frees) if e.block_id == block_id), None)
+
     def unattributed_refs(self, block_id: BlockId) -> int:
         return self._unattributed.get(block_id, 0)
 

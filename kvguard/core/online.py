@@ -48,21 +48,18 @@ from itertools import compress
 from time import perf_counter
 from typing import Protocol, cast
 
+from kvguard.core.classify import Fingerprint, HoldRule, classify_block
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
-from kvguard.core.reconciler import ReconcileOptions, hold_is_legitimate, judge_block
-from kvguard.core.snapshot import count_falsy
+from kvguard.core.reconciler import ReconcileOptions, judge_block
+from kvguard.core.snapshot import PoolSlice, count_falsy
 from kvguard.core.types import (
     BlockId,
     BlockState,
     Evidence,
-    LeakCause,
     RequestId,
     RequestPhase,
 )
-
-Fingerprint = tuple[object, ...]
-"""What a suspect block looked like at one audit; equal at two audits = confirmed."""
 
 
 class PoolAccess(Protocol):
@@ -75,9 +72,9 @@ class PoolAccess(Protocol):
     @property
     def null_block_ids(self) -> frozenset[int]: ...
 
-    def read(self, lo: int, hi: int) -> tuple[list[int], Sequence[object], int | None]:
-        """Blocks ``lo..hi-1``: ref counts, cached flags (truthy when hashed), and how many
-        of them are *out of* the free queue (``None``: the reader cannot tell)."""
+    def read(self, lo: int, hi: int) -> PoolSlice:
+        """Blocks ``lo..hi-1``: ref counts, cached flags, and how many of them are out of
+        the free queue."""
 
     def in_free_queue(self, lo: int, hi: int) -> Sequence[bool]:
         """Free-queue membership of blocks ``lo..hi-1`` (read only when counts disagree)."""
@@ -303,7 +300,7 @@ class OnlineAuditor:
         self._cursor = hi
         if lo >= hi:
             return True
-        refs, cached, n_out = self.pool.read(lo, hi)
+        refs, cached, n_out = self.pool.read(lo, hi)  # a PoolSlice
         ids = range(lo, hi)
         owners = cast(Mapping[int, object], self.ledger.owners_map())
         unattr = cast(Mapping[int, int], self.ledger.unattributed_map())
@@ -404,21 +401,11 @@ class OnlineAuditor:
                     ReconcileOptions(now=wall, evidence=Evidence.ONLINE,
                                      delayed_free_bound_seconds=(
                                          self.opts.delayed_free_bound_seconds)))
-                # A block shared by several finished requests: only those past their
-                # bound are named (the fingerprint already said at least one is).
-                findings = [f for f in findings if not self._legit_finding(f, wall)]
-                if findings:
-                    self.confirmed[b] = _Confirmed(fp, findings)
-                    self.stats.confirmed_total += 1
+                # The same classifier judged the fingerprint: a suspect always has findings.
+                self.confirmed[b] = _Confirmed(fp, findings)
+                self.stats.confirmed_total += 1
                 continue
             self._seen[b] = fp
-
-    def _legit_finding(self, f: Finding, wall: float) -> bool:
-        if f.cause is not LeakCause.FINISHED_REQUEST or f.request_id is None:
-            return False
-        rec = self.ledger.record(f.request_id)
-        return rec is not None and hold_is_legitimate(
-            rec, wall, self.opts.delayed_free_bound_seconds, deferred=True)
 
     def findings(self, wall: float) -> list[Finding]:
         """Confirmed suspects grouped per (cause, request, path), like a drained audit's."""
@@ -453,41 +440,13 @@ def judge_fingerprint(
 ) -> tuple[BlockState, Fingerprint | None]:
     """A block's state between steps, and its fingerprint when it is suspect.
 
-    Consistent (``None``): ref count 0 with no owner and in the free queue; ref
-    count equal to the known references with a live owner; held only by finished
-    requests whose delayed or deferred free is within ``bound``. Everything else
-    is suspect, including a reference no request has claimed yet (its
-    fingerprint is the acquisition's serial, so it confirms only if the same
-    reference stays unclaimed through a whole claim phase).
+    The shared classifier (:func:`kvguard.core.classify.classify_block`) with the
+    between-steps hold rule: a delayed or deferred free within ``bound`` seconds is
+    legitimate, and a reference no request has claimed yet is suspect with its
+    acquisition's serial in the fingerprint, so it confirms only if the same reference
+    stays unclaimed through a whole claim phase.
     """
-    owners = ledger.owners_of(b)
-    unattr = ledger.unattributed_refs(b)
-    free_state = BlockState.CACHED if is_cached else BlockState.FREE
-    if rc < 0:
-        return free_state, ("negative", rc, _owner_key(owners))
-    if rc == 0:
-        if in_free_queue is False:
-            return BlockState.ORPHANED, ("unreachable", _owner_key(owners), unattr)
-        if owners or unattr:
-            return free_state, ("held_but_free", _owner_key(owners), unattr)
-        return free_state, None
-    if in_free_queue:
-        return BlockState.ACTIVE, ("in_free_queue", rc, _owner_key(owners), unattr)
-    recs = [r for r in (ledger.record(rid) for rid in owners) if r is not None]
-    expected = sum(owners.values()) + unattr
-    if any(r.phase.is_live for r in recs):
-        if expected == rc:
-            return BlockState.ACTIVE, None
-        return BlockState.ACTIVE, ("drift", rc, expected, _owner_key(owners))
-    if recs:
-        if all(hold_is_legitimate(r, now, bound, deferred=True) for r in recs):
-            return BlockState.HELD_BY_FINISHED, None
-        return BlockState.HELD_BY_FINISHED, ("finished", _owner_key(owners), rc)
-    if unattr:
-        state = BlockState.ACTIVE if unattr == rc else BlockState.ORPHANED
-        return state, ("unclaimed", ledger.unattributed_serial(b), unattr, rc)
-    return BlockState.ORPHANED, ("no_owner", rc)
-
-
-def _owner_key(owners: Mapping[RequestId, int]) -> tuple[tuple[str, int], ...]:
-    return tuple(sorted(owners.items()))
+    dbl = ledger.latest_double_free(b) if ledger.num_double_frees else None
+    j = classify_block(b, rc, is_cached, in_free_queue, ledger,
+                       HoldRule(now=now, bound_seconds=bound, between_steps=True), dbl)
+    return j.state, j.fingerprint

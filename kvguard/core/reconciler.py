@@ -6,23 +6,9 @@ count (what the engine believes). It reconciles from *state*, not from events
 alone: a reference taken by a path no hook sees (a connector bound to the pool,
 a copy-on-write pair, a bug) still shows up as a ref count nobody owns.
 
-Per block, with ``rc`` the ref count and ``owners`` the ledger's references:
-
-=======================================  ==================  ====================
-condition                                state               finding (cause)
-=======================================  ==================  ====================
-rc == 0, no owners, hashed               cached              --
-rc == 0, no owners, not hashed           free                --
-rc == 0 but owners, or rc < 0            free/cached/orph.   double_free
-rc > 0 but in the free queue             active/...          double_free
-rc > 0, a live owner                     active              refcount_drift if rc
-                                                             != sum of owner refs
-rc > 0, only finished owners             held_by_finished    finished_request
-                                                             (unless in a bounded
-                                                             delayed free)
-rc > 0, no owner                         orphaned            orphan
-rc == 0, not in the free queue           orphaned            orphan (unreachable)
-=======================================  ==================  ====================
+Each block is judged by the one classifier both audits share
+(:func:`kvguard.core.classify.classify_block`, whose docstring has the table);
+this module walks the pool quickly and groups the charges into findings.
 
 Findings are grouped per (cause, request) so a leak of 5 blocks by one request
 is one finding of 5 blocks.
@@ -35,16 +21,11 @@ from dataclasses import dataclass
 from itertools import compress
 from typing import cast
 
+from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
-from kvguard.core.ledger import (
-    DoubleFreeEvent,
-    OwnershipLedger,
-    RequestRecord,
-    client_request_id,
-)
+from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger, client_request_id
 from kvguard.core.snapshot import PoolSnapshot, count_falsy
 from kvguard.core.types import (
-    AcquireKind,
     BlockId,
     BlockState,
     Evidence,
@@ -65,31 +46,29 @@ class ReconcileOptions:
     """A finished request may hold its blocks this long while its KV transfer completes."""
     evidence: Evidence = Evidence.DRAINED
 
+    @property
+    def hold_rule(self) -> HoldRule:
+        return HoldRule(now=self.now, bound_seconds=self.delayed_free_bound_seconds,
+                        between_steps=self.evidence is Evidence.ONLINE)
+
 
 _GroupKey = tuple[LeakCause, RequestId | None, LeakPath]
 
 
 class _Collector:
-    def __init__(self, opts: ReconcileOptions) -> None:
+    def __init__(self, opts: ReconcileOptions, ledger: OwnershipLedger) -> None:
         self.opts = opts
+        self.ledger = ledger
         self.groups: dict[_GroupKey, Finding] = {}
 
-    def add(
-        self,
-        cause: LeakCause,
-        block_id: int,
-        *,
-        rec: RequestRecord | None = None,
-        request_id: RequestId | None = None,
-        path: LeakPath = LeakPath.UNKNOWN,
-        detail: str = "",
-    ) -> None:
-        rid = rec.request_id if rec is not None else request_id
-        key = (cause, rid, path)
+    def add(self, charge: Charge, block_id: int) -> None:
+        key = (charge.cause, charge.request_id, charge.path)
         f = self.groups.get(key)
         if f is None:
-            f = Finding(cause=cause, path=path, blocks=0, request_id=rid, detail=detail,
-                        evidence=self.opts.evidence)
+            rid = charge.request_id
+            f = Finding(cause=charge.cause, path=charge.path, blocks=0, request_id=rid,
+                        detail=charge.detail, evidence=self.opts.evidence)
+            rec = self.ledger.record(rid) if rid is not None else None
             if rid is not None:
                 f.client_request_id = client_request_id(rid)
             if rec is not None:
@@ -99,20 +78,9 @@ class _Collector:
             self.groups[key] = f
         f.add_block(block_id)
 
-
-def hold_is_legitimate(rec: RequestRecord, now: float, bound: float, *,
-                       deferred: bool = False) -> bool:
-    """A finished request's hold that is not a leak yet: a delayed free (KV transfer in
-    flight) younger than ``bound`` seconds, and with ``deferred`` (between engine steps,
-    where a step may be in flight) a deferred free that began less than ``bound`` ago.
-    At a drained checkpoint no step is in flight, so a deferred free still holding is a
-    leak."""
-    if rec.delayed_free_pending and rec.delayed_free_started_at is not None:
-        return now - rec.delayed_free_started_at < bound
-    if deferred and rec.deferred_free_pending:
-        started = rec.finished_at if rec.finished_at is not None else now
-        return now - started < bound
-    return False
+    def judged(self, b: int, j: BlockJudgement) -> None:
+        for charge in j.charges:
+            self.add(charge, b)
 
 
 def reconcile(
@@ -124,7 +92,7 @@ def reconcile(
     free_q = snapshot.in_free_queue
     nulls = snapshot.null_block_ids
     counts = {s: 0 for s in BlockState}
-    out = _Collector(opts)
+    out = _Collector(opts, ledger)
     double_free_by_block: dict[int, DoubleFreeEvent] = {e.block_id: e for e in ledger.double_frees}
     interesting = set(ledger.owned_block_ids()) | double_free_by_block.keys()
 
@@ -154,11 +122,7 @@ def reconcile(
         r.request_id for r in ledger.records()
         if r.phase is RequestPhase.FINISHED and r.blocks
     }
-    findings = [
-        f for f in out.groups.values()
-        if not (f.cause is LeakCause.FINISHED_REQUEST and f.request_id is not None
-                and _is_legit_holder(ledger, f.request_id, opts))
-    ]
+    findings = list(out.groups.values())
     findings.extend(pool_level)
     findings.sort(key=lambda f: (f.cause.value, -(f.blocks), f.request_id or ""))
     states = PoolStates(capacity=snapshot.capacity, counts=counts)
@@ -184,10 +148,8 @@ def _walk_every_block(
             continue
         if rc == 0 and b not in interesting:
             n_zero += 1
-            if not free_q[b]:
-                counts[BlockState.ORPHANED] += 1
-                out.add(LeakCause.ORPHAN, b, detail="ref_cnt 0 but not in the free queue: "
-                        "the block can never be allocated again")
+            if not free_q[b]:  # unreachable: the classifier words it
+                _classify(BlockId(b), rc, bool(cached[b]), False, ledger, None, counts, out)
             elif cached[b]:
                 n_cached += 1
             else:
@@ -260,21 +222,11 @@ def judge_block(
     b: BlockId, rc: int, is_cached: bool, in_free_queue: bool | None,
     ledger: OwnershipLedger, opts: ReconcileOptions,
 ) -> list[Finding]:
-    """The findings of one block alone (one per culprit), as a full audit would state them.
-
-    Used by the online audit to word a confirmed suspect; holds within their bound
-    are not filtered here (the caller judged them already).
-    """
-    out = _Collector(opts)
-    dbl = next((e for e in reversed(ledger.double_frees) if e.block_id == b), None)
-    _classify(b, rc, is_cached, in_free_queue, ledger, dbl, {s: 0 for s in BlockState}, out)
+    """The findings of one block alone (one per culprit), as a full audit would state them."""
+    out = _Collector(opts, ledger)
+    dbl = ledger.latest_double_free(b)
+    out.judged(b, classify_block(b, rc, is_cached, in_free_queue, ledger, opts.hold_rule, dbl))
     return list(out.groups.values())
-
-
-def _is_legit_holder(ledger: OwnershipLedger, rid: RequestId, opts: ReconcileOptions) -> bool:
-    rec = ledger.record(rid)
-    return rec is not None and hold_is_legitimate(rec, opts.now,
-                                                  opts.delayed_free_bound_seconds)
 
 
 def _classify(
@@ -287,62 +239,6 @@ def _classify(
     counts: dict[BlockState, int],
     out: _Collector,
 ) -> None:
-    owners = ledger.owners_of(b)
-    unattributed = ledger.unattributed_refs(b)
-    recs = [r for r in (ledger.record(rid) for rid in owners) if r is not None]
-
-    if rc <= 0:
-        reachable = in_free_queue is not False and rc == 0
-        state = (BlockState.CACHED if is_cached else BlockState.FREE) if reachable \
-            else BlockState.ORPHANED
-        counts[state] += 1
-        if rc < 0 or recs or unattributed:
-            culprit = double_free.request_id if double_free is not None else None
-            path = double_free.path if double_free is not None else LeakPath.UNKNOWN
-            victims = ", ".join(r.client_request_id for r in recs) or "an unattributed reference"
-            out.add(LeakCause.DOUBLE_FREE, b, rec=ledger.record(culprit) if culprit else None,
-                    request_id=culprit, path=path,
-                    detail=f"ref_cnt {rc} while still held by {victims}" if rc == 0
-                    else f"ref_cnt {rc}: freed more times than acquired")
-        return
-
-    live = [r for r in recs if r.phase.is_live]
-    finished = [r for r in recs if not r.phase.is_live]
-    expected = sum(owners.values()) + unattributed
-    if in_free_queue:
-        counts[BlockState.ACTIVE if live else
-               BlockState.HELD_BY_FINISHED if finished else BlockState.ORPHANED] += 1
-        culprit = double_free.request_id if double_free is not None else None
-        out.add(LeakCause.DOUBLE_FREE, b, rec=ledger.record(culprit) if culprit else None,
-                request_id=culprit,
-                path=double_free.path if double_free is not None else LeakPath.UNKNOWN,
-                detail=f"ref_cnt {rc} but the block is in the free queue")
-        return
-    if live:
-        counts[BlockState.ACTIVE] += 1
-        if expected != rc:
-            out.add(LeakCause.REFCOUNT_DRIFT, b, rec=live[0], path=LeakPath.UNKNOWN,
-                    detail=f"ref_cnt {rc} but {expected} known references")
-        return
-    if finished:
-        counts[BlockState.HELD_BY_FINISHED] += 1
-        for r in finished:
-            out.add(LeakCause.FINISHED_REQUEST, b, rec=r, path=r.exit_path,
-                    detail="finished and freed, still holds its blocks"
-                    if r.freed_at is not None else "finished, blocks not freed yet")
-        return
-    counts[BlockState.ORPHANED] += 1
-    if unattributed:
-        kind = ledger.unattributed_kind(b)
-        path = LeakPath.PREFIX_HIT if kind is AcquireKind.PREFIX_HIT else LeakPath.ROLLBACK
-        out.add(LeakCause.ORPHAN, b, path=path,
-                detail=f"ref_cnt {rc}, taken by a {kind.value if kind else 'pool'} call "
-                       "that no request claimed")
-    elif double_free is not None:
-        out.add(LeakCause.REFCOUNT_DRIFT, b, request_id=double_free.request_id,
-                path=double_free.path,
-                detail=f"ref_cnt {rc} after a release of an unheld reference")
-    else:
-        out.add(LeakCause.ORPHAN, b, path=LeakPath.UNKNOWN,
-                detail=f"ref_cnt {rc} and no known owner: a reference was taken outside "
-                       "every hooked path")
+    j = classify_block(b, rc, is_cached, in_free_queue, ledger, out.opts.hold_rule, double_free)
+    counts[j.state] += 1
+    out.judged(b, j)

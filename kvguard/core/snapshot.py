@@ -9,8 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvguard.errors import CorruptStateError
+
+
+class PoolSlice(NamedTuple):
+    """Blocks ``lo..hi-1`` of a pool, read between engine steps (the online audit's unit).
+
+    Invariant: ``len(ref_counts) == len(cached) == hi - lo``.
+    """
+
+    ref_counts: list[int]
+    cached: Sequence[object]
+    """Truthy when the block carries a prefix-cache hash (evictable once free)."""
+    num_out_of_free_queue: int | None
+    """How many of these blocks are *not* in the free queue (``None``: the reader
+    cannot tell)."""
 
 
 @dataclass(frozen=True, slots=True)

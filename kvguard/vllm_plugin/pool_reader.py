@@ -12,7 +12,7 @@ from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any
 
-from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 
 _REF_CNT = attrgetter("ref_cnt")
 _HASH = attrgetter("_block_hash")  # the field behind vLLM's ``block_hash`` property
@@ -104,14 +104,14 @@ class VllmPoolAccess:
     def null_block_ids(self) -> frozenset[int]:
         return self._nulls
 
-    def read(self, lo: int, hi: int) -> tuple[list[int], list[Any], int | None]:
+    def read(self, lo: int, hi: int) -> PoolSlice:
         sl = self._blocks[lo:hi]
         refs: list[int] = list(map(_REF_CNT, sl))
         cached: list[Any] = list(map(self._hash, sl))
         # Counted by identity: comparing blocks to None would run their Python __eq__.
         out_of_queue = sum(map(is_, map(_PREV, sl), repeat(None))) if self._has_queue \
             else None
-        return refs, cached, out_of_queue
+        return PoolSlice(refs, cached, out_of_queue)
 
     def in_free_queue(self, lo: int, hi: int) -> list[bool]:
         return [b.prev_free_block is not None for b in self._blocks[lo:hi]]

@@ -34,7 +34,7 @@ from kvguard.core.findings import Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport
-from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 from kvguard.core.types import (
     AcquireKind,
     Evidence,
@@ -408,11 +408,11 @@ class HarnessPoolAccess:
     def null_block_ids(self) -> frozenset[int]:
         return frozenset({NULL_BLOCK})
 
-    def read(self, lo: int, hi: int) -> tuple[list[int], list[bool], int | None]:
+    def read(self, lo: int, hi: int) -> PoolSlice:
         p = self.h.pool
         in_q = set(p.queue)
         out_of_queue = sum(1 for b in range(lo, hi) if b not in in_q)
-        return p.ref[lo:hi], [b in p.hashed for b in range(lo, hi)], out_of_queue
+        return PoolSlice(p.ref[lo:hi], [b in p.hashed for b in range(lo, hi)], out_of_queue)
 
     def in_free_queue(self, lo: int, hi: int) -> list[bool]:
         in_q = set(self.h.pool.queue)

@@ -275,14 +275,16 @@ def test_fingerprint_of_consistent_and_suspect_blocks() -> None:
     state, fp = judge_fingerprint(b, 1, True, None, h.ledger, h.t, 30.0)
     assert (state, fp) == (BlockState.ACTIVE, None)
     state, fp = judge_fingerprint(b, 2, True, None, h.ledger, h.t, 30.0)
-    assert state is BlockState.ACTIVE and fp is not None and fp[0] == "drift"
+    # A fingerprint names the state and the causes the shared classifier charged.
+    assert state is BlockState.ACTIVE and fp is not None and fp[:2] == ("active",
+                                                                         ("refcount_drift",))
     state, fp = judge_fingerprint(b, 1, True, True, h.ledger, h.t, 30.0)
-    assert fp is not None and fp[0] == "in_free_queue"
+    assert fp is not None and fp[1] == ("double_free",)  # referenced, yet in the free queue
     free = BlockId(h.pool.queue[0])
     assert judge_fingerprint(free, 0, False, True, h.ledger, h.t, 30.0) == (BlockState.FREE,
                                                                            None)
     state, fp = judge_fingerprint(free, 0, False, False, h.ledger, h.t, 30.0)
-    assert state is BlockState.ORPHANED and fp is not None and fp[0] == "unreachable"
+    assert state is BlockState.ORPHANED and fp is not None and fp[1] == ("orphan",)
 
 
 def test_a_block_shared_with_a_transfer_in_flight_names_only_the_leaking_request() -> None:
@@ -300,3 +302,34 @@ def test_a_block_shared_with_a_transfer_in_flight_names_only_the_leaking_request
     r = detect(d)
     assert {f.request_id for f in r.findings} == {leak.rid}
     assert all(f.path is LeakPath.ABORT for f in r.findings)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_at_a_drained_moment_both_audits_find_the_same_leaks(data: st.DataObject) -> None:
+    """One classifier: online sweeps and a drained checkpoint of the same pool agree on
+    every finding (cause, request, path, blocks) and on every block's state."""
+    h = Harness(64, lazy_claims=True)
+    random_clean_ops(h, data, data.draw(st.integers(5, 30), label="n_ops"), style="mixed")
+    for _ in range(data.draw(st.integers(0, 2), label="n_leaks")):
+        live = [r for r in h.live() if r.blocks]
+        if live:
+            h.skip_free_on_abort(data.draw(st.sampled_from(live), label="victim"))
+    for _ in range(data.draw(st.integers(0, 2), label="n_bumps")):
+        h.bump_ref(data.draw(st.sampled_from(h.bump_candidates()), label="bump"))
+    live = [r for r in h.live() if r.blocks]
+    if live and data.draw(st.booleans(), label="double_free"):
+        victim = data.draw(st.sampled_from(live), label="double_freed")
+        h.finish(victim, FinishReason.ABORTED, attributed=True,
+                 double_free_block=victim.blocks[-1])
+    h.drain(attributed=data.draw(st.booleans(), label="drain_attributed"))
+    drained = h.reconcile(walk_free_queue=True)
+    d = Driver(h)
+    for _ in range(3):
+        online = d.sweep()
+
+    def key(fs: list) -> list[tuple]:
+        return sorted((f.cause, f.request_id, f.path, sorted(f.all_block_ids)) for f in fs)
+
+    assert key(online.findings) == key(drained.findings)
+    assert online.states.counts == drained.states.counts

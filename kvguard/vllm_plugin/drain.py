@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvguard.core.classify import HoldRule, hold_is_legitimate
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.types import RequestId
 
@@ -44,13 +45,14 @@ def drain_state(
         return DrainState(False, f"{deferred} deferred frees pending (in-flight step)")
     requests: dict[str, Any] = getattr(scheduler, "requests", {}) or {}
     suspects: list[RequestId] = []
+    rule = HoldRule(now=now, bound_seconds=delayed_free_bound_seconds)
     for rid, req in requests.items():
         is_finished = getattr(req, "is_finished", None)
         if is_finished is None or not is_finished():
             return DrainState(False, f"request {rid} is not finished", live_work=True)
         rec = ledger.record(RequestId(rid))
-        started = rec.delayed_free_started_at if rec is not None else None
-        if started is not None and now - started < delayed_free_bound_seconds:
+        if rec is not None and hold_is_legitimate(rec, rule):
+            started = rec.delayed_free_started_at or now
             return DrainState(
                 False,
                 f"request {rid} waits for its KV transfer ({now - started:.1f} s of the "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence
@@ -16,6 +16,10 @@ from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
 from kvguard.errors import KvguardError
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
 from kvguard.vllm_plugin.pool_reader import request_block_ids
+
+if TYPE_CHECKING:
+    from kvguard.chaos.faults.scheduler import ChaosScheduler
+    from kvguard.chaos.truth import PoolTruth
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -108,3 +112,36 @@ class EngineHarness:
 
     def num_usable(self) -> int:
         return int(self.pool.num_gpu_blocks) - 1
+
+    # ------------------------------------------------- vLLM's own side
+    @property
+    def chaos(self) -> ChaosScheduler:
+        """The chaos scheduler (raises unless built with ``scheduler_cls=SCHEDULER_CLS``)."""
+        from kvguard.chaos.faults.scheduler import ChaosScheduler
+
+        if not isinstance(self.scheduler, ChaosScheduler):
+            raise KvguardError("this engine runs vLLM's own scheduler: build it with "
+                               "scheduler_cls=kvguard.chaos.faults.SCHEDULER_CLS for faults")
+        return self.scheduler
+
+    def vllm_status(self, client_id: str) -> str | None:
+        """vLLM's ``RequestStatus`` name for a finished request (None: not finished)."""
+        for rid, status in self.chaos.finished.items():
+            if rid == client_id or rid.rsplit("-", 1)[0] == client_id:
+                return status
+        return None
+
+    def vllm_aborted(self, client_ids: list[str]) -> int:
+        """How many of these requests vLLM itself finished as ``FINISHED_ABORTED``."""
+        return sum(1 for c in client_ids if self.vllm_status(c) == "FINISHED_ABORTED")
+
+    def vllm_metric(self, name: str) -> float:
+        """One of vLLM's own metrics (``engine.get_metrics()``), summed over label sets."""
+        from kvguard.chaos.truth import metric_value
+
+        return metric_value(self.engine.get_metrics(), name) or 0.0
+
+    def pool_truth(self) -> PoolTruth:
+        from kvguard.chaos.truth import read_pool_truth
+
+        return read_pool_truth(self.scheduler)

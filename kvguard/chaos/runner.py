@@ -74,40 +74,62 @@ def score(s: Scenario, report: CheckpointReport, truth: PoolTruth | None = None,
     return Status.PASSED, ""
 
 
-def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
-    """Build the engine, drive the scenario, score kvguard's last checkpoint."""
-    from kvguard.chaos.faults import SCHEDULER_CLS, FaultPlan
-    from kvguard.demo.engine import EngineSpec
+def scenarios_for(workdir: Path) -> tuple[Path, dict[str, Scenario]]:
+    """The main model's directory and every scenario, with the draft and hybrid models
+    they need created under ``workdir``."""
     from kvguard.demo.tiny_model import make_draft_model, make_hybrid_model, make_tiny_model
 
     model = make_tiny_model(workdir / "model")
-    scenarios = {s.name: s for s in matrix(make_draft_model(workdir / "model"),
-                                           make_hybrid_model(workdir / "model"))}
+    found = matrix(make_draft_model(workdir / "model"), make_hybrid_model(workdir / "model"))
+    return model, {s.name: s for s in found}
+
+
+def build_for(s: Scenario, model: Path) -> EngineHarness:
+    """A fresh real engine for ``s``: on the chaos scheduler (it records what vLLM did and
+    injects the scenario's faults in vLLM's own paths), with the scenario's settings."""
+    from kvguard.chaos.faults import SCHEDULER_CLS, FaultPlan
+    from kvguard.demo.engine import EngineSpec
+
+    overrides: dict[str, object] = {"model_dir": model, **s.engine}
+    overrides["extra"] = {**dict(s.engine.get("extra", {})),  # type: ignore[call-overload]
+                          "scheduler_cls": SCHEDULER_CLS}
+    h = EngineHarness(EngineSpec(**overrides))  # type: ignore[arg-type]
+    h.guard.config = dataclasses.replace(
+        h.guard.config, delayed_free_bound_seconds=s.delayed_free_bound_seconds,
+        **s.kvguard)  # type: ignore[arg-type]
+    if s.faults:
+        h.chaos.arm(FaultPlan(dict(s.faults)))
+    return h
+
+
+def scored_report(s: Scenario, h: EngineHarness) -> CheckpointReport:
+    """The report a scenario is judged on (after ``s.drive(h)``)."""
+    return h.latest() if s.evidence is Evidence.DRAINED else _latest_online(h)
+
+
+def fault_victims(h: EngineHarness) -> frozenset[str]:
+    """Client ids of the requests the armed faults fired on."""
+    return frozenset(client_request_id(rid) for _, rid in h.chaos.faults.fired)
+
+
+def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
+    """Build the engine, drive the scenario, score kvguard's report against vLLM's pool."""
+    model, scenarios = scenarios_for(workdir)
     s = scenarios[name]
     base = ScenarioResult(name=s.name, injected=s.injected, reproduces=s.reproduces,
                           expected=expected_text(s), concluded="", status=Status.ERROR)
     t0 = time.monotonic()
-    overrides: dict[str, object] = {"model_dir": model, **s.engine}
-    # Every scenario runs on the chaos scheduler: it records what vLLM did (finish
-    # statuses) and, where the scenario arms one, injects the fault in vLLM's own path.
-    overrides["extra"] = {**dict(s.engine.get("extra", {})),  # type: ignore[call-overload]
-                          "scheduler_cls": SCHEDULER_CLS}
     try:
-        h = EngineHarness(EngineSpec(**overrides))  # type: ignore[arg-type]
+        h = build_for(s, model)
     except Exception as exc:
         status = Status.UNSUPPORTED if s.may_be_unsupported else Status.ERROR
         msg = " ".join(str(exc).split())[:300] or type(exc).__name__
         return base.model_copy(update={"status": status, "concluded": "-",
                                        "why": f"engine could not be built: {msg}",
                                        "seconds": time.monotonic() - t0})
-    h.guard.config = dataclasses.replace(
-        h.guard.config, delayed_free_bound_seconds=s.delayed_free_bound_seconds,
-        **s.kvguard)  # type: ignore[arg-type]
-    if s.faults:
-        h.chaos.arm(FaultPlan(dict(s.faults)))
     try:
         evidence = s.drive(h)
-        report = h.latest() if s.evidence is Evidence.DRAINED else _latest_online(h)
+        report = scored_report(s, h)
         truth = h.pool_truth()
     except NotExercised as exc:
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
@@ -117,8 +139,7 @@ def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
                                        "why": f"{type(exc).__name__}: {exc}"[:300],
                                        "seconds": time.monotonic() - t0})
-    victims = frozenset(client_request_id(rid) for _, rid in h.chaos.faults.fired)
-    status, why = score(s, report, truth, victims)
+    status, why = score(s, report, truth, fault_victims(h))
     concluded, leaks = summarize(report)
     return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
                                    "evidence": evidence, "verdict": report.verdict,

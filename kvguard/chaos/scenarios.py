@@ -256,26 +256,11 @@ def _refcount_bump(h: EngineHarness) -> str:
 
 
 def _hook_errors(h: EngineHarness) -> str:
-    # kvguard's own code raising, to prove containment: a monkeypatch of one kvguard call
-    # (the ledger's finish event), not a fault in the engine.
-    ledger = h.guard.ledger
-    real = ledger.on_request_finished
-    left = [3]
-
-    def failing(*args: object, **kwargs: object) -> None:
-        if left[0] > 0:
-            left[0] -= 1
-            raise RuntimeError("injected failure inside kvguard's finish hook")
-        real(*args, **kwargs)  # type: ignore[arg-type]
-
-    ledger.on_request_finished = failing  # type: ignore[method-assign]
-    try:
-        for i in range(4):
-            h.add(prompt(1300 + i, 40), max_tokens=12)
-        h.run_to_completion()
-        h.drain_scheduler()
-    finally:
-        del ledger.on_request_finished
+    h.fail_kvguard_finish_hook(3)  # kvguard's own code raising: not an engine fault
+    for i in range(4):
+        h.add(prompt(1300 + i, 40), max_tokens=12)
+    h.run_to_completion()
+    h.drain_scheduler()
     n = h.guard.errors.total
     if n != 3:
         raise NotExercised(f"{n} hook errors counted, expected 3")

@@ -51,7 +51,9 @@ class KvguardConfig:
     history: int = 64
     """Checkpoint reports kept in the engine's state file."""
     faults: str = ""
-    """Fault injection for tests and staging only, e.g. ``skip_free_on_abort=1``."""
+    """Fault injection for tests and staging only, e.g. ``skip_free_on_abort=1``; takes
+    effect only in an engine run with ``--scheduler-cls
+    kvguard.chaos.faults.scheduler.ChaosScheduler`` (read there, never by kvguard's hooks)."""
     allow_faults: bool = False
     """Second key for ``faults``: both must be set, or faults stay off."""
     control_token: str | None = None

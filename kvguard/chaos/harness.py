@@ -8,14 +8,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence
 from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
 from kvguard.errors import KvguardError
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
 from kvguard.vllm_plugin.pool_reader import request_block_ids
+
+if TYPE_CHECKING:
+    from kvguard.chaos.faults.scheduler import ChaosScheduler
+    from kvguard.chaos.truth import PoolTruth
+
+
+def fail_finish_events(ledger: OwnershipLedger, times: int) -> None:
+    """Make ``ledger.on_request_finished`` raise ``times`` times, then work again (tests of
+    kvguard's containment; patches this ledger instance only)."""
+    real = ledger.on_request_finished
+    left = [times]
+
+    def on_request_finished(*args: Any, **kwargs: Any) -> None:
+        if left[0] > 0:
+            left[0] -= 1
+            raise RuntimeError("injected failure inside kvguard's finish hook")
+        real(*args, **kwargs)
+
+    ledger.on_request_finished = on_request_finished  # type: ignore[method-assign]
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -80,8 +100,11 @@ class EngineHarness:
                 time.sleep(pause_seconds)
         raise TimeoutError(f"condition not reached in {max_steps} steps / {max_seconds:.0f} s")
 
-    def run_to_completion(self, max_steps: int = 5000) -> int:
-        return self.step_until(lambda: not self.engine.has_unfinished_requests(), max_steps)
+    def run_to_completion(self, max_steps: int = 5000, max_seconds: float = 300.0) -> int:
+        """Step until no request is unfinished; the deadline is generous on purpose (a
+        loaded 2-core host runs the tiny model at about 10 tokens/s)."""
+        return self.step_until(lambda: not self.engine.has_unfinished_requests(), max_steps,
+                               max_seconds=max_seconds)
 
     def drain_scheduler(self, max_seconds: float = 30.0) -> None:
         """Step until the scheduler holds no request at all (delayed frees included)."""
@@ -108,3 +131,44 @@ class EngineHarness:
 
     def num_usable(self) -> int:
         return int(self.pool.num_gpu_blocks) - 1
+
+    def fail_kvguard_finish_hook(self, times: int) -> None:
+        """Make kvguard's own finish hook raise ``times`` times, then work again.
+
+        A monkeypatch of one kvguard call (the ledger's finish event), to prove that
+        kvguard contains its own failures: no fault in the engine, and no branch for it
+        in kvguard's hooks."""
+        fail_finish_events(self.guard.ledger, times)
+
+    # ------------------------------------------------- vLLM's own side
+    @property
+    def chaos(self) -> ChaosScheduler:
+        """The chaos scheduler (raises unless built with ``scheduler_cls=SCHEDULER_CLS``)."""
+        from kvguard.chaos.faults.scheduler import ChaosScheduler
+
+        if not isinstance(self.scheduler, ChaosScheduler):
+            raise KvguardError("this engine runs vLLM's own scheduler: build it with "
+                               "scheduler_cls=kvguard.chaos.faults.SCHEDULER_CLS for faults")
+        return self.scheduler
+
+    def vllm_status(self, client_id: str) -> str | None:
+        """vLLM's ``RequestStatus`` name for a finished request (None: not finished)."""
+        for rid, status in self.chaos.finished.items():
+            if rid == client_id or rid.rsplit("-", 1)[0] == client_id:
+                return status
+        return None
+
+    def vllm_aborted(self, client_ids: list[str]) -> int:
+        """How many of these requests vLLM itself finished as ``FINISHED_ABORTED``."""
+        return sum(1 for c in client_ids if self.vllm_status(c) == "FINISHED_ABORTED")
+
+    def vllm_metric(self, name: str) -> float:
+        """One of vLLM's own metrics (``engine.get_metrics()``), summed over label sets."""
+        from kvguard.chaos.truth import metric_value
+
+        return metric_value(self.engine.get_metrics(), name) or 0.0
+
+    def pool_truth(self) -> PoolTruth:
+        from kvguard.chaos.truth import read_pool_truth
+
+        return read_pool_truth(self.scheduler)

@@ -16,10 +16,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvguard.chaos.harness import EngineHarness
 from kvguard.chaos.result import ScenarioResult, Status, summarize
 from kvguard.chaos.scenarios import NotExercised, Scenario, matrix
+from kvguard.chaos.truth import PoolTruth, disagreement
+from kvguard.core.ledger import client_request_id
 from kvguard.core.report import CheckpointReport
-from kvguard.core.types import LeakCause
+from kvguard.core.types import Evidence, LeakCause
 
 SCENARIO_TIMEOUT_SECONDS = 240.0
 RESULT_PREFIX = "KVGUARD-CHAOS-RESULT "
@@ -28,13 +31,21 @@ RESULT_PREFIX = "KVGUARD-CHAOS-RESULT "
 def expected_text(s: Scenario) -> str:
     if s.leak is None:
         return "/".join(sorted(v.value for v in s.verdicts)) + ", no leak"
-    who = ",".join(sorted(s.leak.client_ids)) or "no request"
+    who = ",".join(sorted(s.leak.client_ids)) or (
+        "the fault's victim" if s.leak.named_by_fault else "no request")
     path = s.leak.path.value if s.leak.path else "any path"
     return f"leak: {s.leak.cause.value}/{path} {who}"
 
 
-def score(s: Scenario, report: CheckpointReport) -> tuple[Status, str]:
-    """``passed`` only when the verdict, cause, path and named requests are all right."""
+def score(s: Scenario, report: CheckpointReport, truth: PoolTruth | None = None,
+          victims: frozenset[str] = frozenset()) -> tuple[Status, str]:
+    """``passed`` only when the verdict, cause, path and named requests are all right and
+    the leaked block ids and their distinct count are the pool's own (``truth``, read from
+    vLLM after the drain); ``victims``: client ids the fault fired on."""
+    if truth is not None:
+        why = disagreement(report, truth)
+        if why:
+            return Status.FAILED, "contradicts vLLM's pool: " + why
     if report.verdict not in s.verdicts:
         return Status.FAILED, f"verdict {report.verdict.value}, expected " \
                               f"{'/'.join(v.value for v in s.verdicts)}"
@@ -53,42 +64,73 @@ def score(s: Scenario, report: CheckpointReport) -> tuple[Status, str]:
         return Status.FAILED, f"no {exp.cause.value} finding on path " \
                               f"{exp.path.value if exp.path else 'any'}"
     named = {lk.client_request_id for lk in report.leaks if lk.client_request_id}
-    if exp.client_ids and not exp.client_ids <= named:
-        return Status.FAILED, f"requests named {sorted(named)}, expected {sorted(exp.client_ids)}"
-    if exp.client_ids and named - exp.client_ids:
-        return Status.FAILED, f"innocent requests accused: {sorted(named - exp.client_ids)}"
+    expected = exp.client_ids | (victims if exp.named_by_fault else frozenset())
+    if exp.named_by_fault and not victims:
+        return Status.FAILED, "the fault never fired"
+    if expected and not expected <= named:
+        return Status.FAILED, f"requests named {sorted(named)}, expected {sorted(expected)}"
+    if expected and named - expected:
+        return Status.FAILED, f"innocent requests accused: {sorted(named - expected)}"
     return Status.PASSED, ""
 
 
-def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
-    """Build the engine, drive the scenario, score kvguard's last checkpoint."""
-    from kvguard.chaos.harness import EngineHarness
-    from kvguard.demo.engine import EngineSpec
-    from kvguard.demo.tiny_model import make_draft_model, make_tiny_model
-    from kvguard.vllm_plugin.faults import FaultPlan
+def scenarios_for(workdir: Path) -> tuple[Path, dict[str, Scenario]]:
+    """The main model's directory and every scenario, with the draft and hybrid models
+    they need created under ``workdir``."""
+    from kvguard.demo.tiny_model import make_draft_model, make_hybrid_model, make_tiny_model
 
     model = make_tiny_model(workdir / "model")
-    scenarios = {s.name: s for s in matrix(make_draft_model(workdir / "model"))}
+    found = matrix(make_draft_model(workdir / "model"), make_hybrid_model(workdir / "model"))
+    return model, {s.name: s for s in found}
+
+
+def build_for(s: Scenario, model: Path) -> EngineHarness:
+    """A fresh real engine for ``s``: on the chaos scheduler (it records what vLLM did and
+    injects the scenario's faults in vLLM's own paths), with the scenario's settings."""
+    from kvguard.chaos.faults import SCHEDULER_CLS, FaultPlan
+    from kvguard.demo.engine import EngineSpec
+
+    overrides: dict[str, object] = {"model_dir": model, **s.engine}
+    overrides["extra"] = {**dict(s.engine.get("extra", {})),  # type: ignore[call-overload]
+                          "scheduler_cls": SCHEDULER_CLS}
+    h = EngineHarness(EngineSpec(**overrides))  # type: ignore[arg-type]
+    h.guard.config = dataclasses.replace(
+        h.guard.config, delayed_free_bound_seconds=s.delayed_free_bound_seconds,
+        **s.kvguard)  # type: ignore[arg-type]
+    if s.faults:
+        h.chaos.arm(FaultPlan(dict(s.faults)))
+    return h
+
+
+def scored_report(s: Scenario, h: EngineHarness) -> CheckpointReport:
+    """The report a scenario is judged on (after ``s.drive(h)``)."""
+    return h.latest() if s.evidence is Evidence.DRAINED else _latest_online(h)
+
+
+def fault_victims(h: EngineHarness) -> frozenset[str]:
+    """Client ids of the requests the armed faults fired on."""
+    return frozenset(client_request_id(rid) for _, rid in h.chaos.faults.fired)
+
+
+def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
+    """Build the engine, drive the scenario, score kvguard's report against vLLM's pool."""
+    model, scenarios = scenarios_for(workdir)
     s = scenarios[name]
     base = ScenarioResult(name=s.name, injected=s.injected, reproduces=s.reproduces,
                           expected=expected_text(s), concluded="", status=Status.ERROR)
     t0 = time.monotonic()
-    overrides = dict(s.engine)
     try:
-        h = EngineHarness(EngineSpec(model_dir=model, **overrides))  # type: ignore[arg-type]
+        h = build_for(s, model)
     except Exception as exc:
         status = Status.UNSUPPORTED if s.may_be_unsupported else Status.ERROR
         msg = " ".join(str(exc).split())[:300] or type(exc).__name__
         return base.model_copy(update={"status": status, "concluded": "-",
                                        "why": f"engine could not be built: {msg}",
                                        "seconds": time.monotonic() - t0})
-    h.guard.config = dataclasses.replace(
-        h.guard.config, delayed_free_bound_seconds=s.delayed_free_bound_seconds)
-    if s.faults:
-        h.guard.arm_faults(FaultPlan(dict(s.faults)))
     try:
         evidence = s.drive(h)
-        report = h.latest()
+        report = scored_report(s, h)
+        truth = h.pool_truth()
     except NotExercised as exc:
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
                                        "why": f"path not exercised: {exc}",
@@ -97,11 +139,18 @@ def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
                                        "why": f"{type(exc).__name__}: {exc}"[:300],
                                        "seconds": time.monotonic() - t0})
-    status, why = score(s, report)
+    status, why = score(s, report, truth, fault_victims(h))
     concluded, leaks = summarize(report)
     return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
                                    "evidence": evidence, "verdict": report.verdict,
                                    "leaks": leaks, "seconds": time.monotonic() - t0})
+
+
+def _latest_online(h: EngineHarness) -> CheckpointReport:
+    reports = h.online_reports()
+    if not reports:
+        raise NotExercised("the online audit made no report")
+    return reports[-1]
 
 
 def run_matrix(

@@ -8,13 +8,14 @@ path, so a scenario can never pass vacuously.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvguard.chaos.faults import Fault
 from kvguard.chaos.harness import EngineHarness, prompt
-from kvguard.core.types import LeakCause, LeakPath, Verdict
-from kvguard.vllm_plugin.faults import Fault
+from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
 
 HEALTHY = frozenset({Verdict.CLEAN, Verdict.SATURATED})
 
@@ -30,6 +31,9 @@ class ExpectedLeak:
     """None when the path is not knowable (a reference taken behind every hook)."""
     client_ids: frozenset[str] = frozenset()
     """Requests the report must name (empty: no request is knowable)."""
+    named_by_fault: bool = False
+    """The report must also name every request the fault fired on (chosen by vLLM's
+    scheduling at run time, e.g. whichever request was preempted first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +47,13 @@ class Scenario:
     engine: Mapping[str, object] = field(default_factory=dict)
     """EngineSpec overrides (``extra`` for vLLM kwargs such as kv_transfer_config)."""
     faults: Mapping[Fault, int] = field(default_factory=dict)
+    """Armed in the chaos scheduler (vLLM's code paths, below kvguard's hooks)."""
     delayed_free_bound_seconds: float = 30.0
+    kvguard: Mapping[str, object] = field(default_factory=dict)
+    """KvguardConfig overrides for this scenario (e.g. the online audit's budget)."""
+    evidence: Evidence = Evidence.DRAINED
+    """Which report is scored: the latest drained checkpoint, or the latest online one
+    (a leak that keeps the engine from ever draining)."""
     reproduces: str = ""
     """Which real report (design.md section 5) this scenario stands for."""
     may_be_unsupported: bool = False
@@ -67,9 +77,9 @@ def _disconnects(concurrency: int) -> Callable[[EngineHarness], str]:
         h.abort(*ids[::2])
         h.run_to_completion()
         h.drain_scheduler()
-        n = h.guard.ledger.num_events["finish_aborted"]
+        n = h.vllm_aborted(ids[::2])
         if n < len(ids[::2]):
-            raise NotExercised(f"only {n} of {len(ids[::2])} aborts reached the engine")
+            raise NotExercised(f"vLLM aborted only {n} of {len(ids[::2])} requests")
         return f"{n} aborted of {concurrency} ({running} running at the abort)"
     return drive
 
@@ -83,7 +93,16 @@ def _abort_while_queued(h: EngineHarness) -> str:
     h.abort(*queued)
     h.run_to_completion()
     h.drain_scheduler()
+    _require_aborted(h, queued)
     return f"{len(queued)} aborted while queued of {len(ids)}"
+
+
+def _require_aborted(h: EngineHarness, client_ids: list[str]) -> None:
+    """vLLM itself must have finished each request as ``FINISHED_ABORTED``."""
+    lost = [c for c in client_ids if h.vllm_status(c) != "FINISHED_ABORTED"]
+    if lost:
+        raise NotExercised("the abort did not reach the engine for "
+                           + ", ".join(f"{c} (vLLM: {h.vllm_status(c)})" for c in lost))
 
 
 def _abort_long_prefill(h: EngineHarness) -> str:
@@ -96,8 +115,8 @@ def _abort_long_prefill(h: EngineHarness) -> str:
     h.abort(rid)
     h.run_to_completion()
     h.drain_scheduler()
-    return f"aborted after {done}/400 prompt tokens ({h.guard.ledger.num_events['allocate']} "\
-           "allocations)"
+    _require_aborted(h, [rid])
+    return f"aborted after {done}/400 prompt tokens"
 
 
 def _abort_racing_final_step(h: EngineHarness) -> str:
@@ -107,6 +126,7 @@ def _abort_racing_final_step(h: EngineHarness) -> str:
     h.abort(rid)  # lands in the same engine iteration as the final token
     h.run_to_completion()
     h.drain_scheduler()
+    _require_aborted(h, [rid])
     return "aborted with 7 of 8 tokens out"
 
 
@@ -115,9 +135,9 @@ def _preemption_storm(h: EngineHarness) -> str:
         h.add(prompt(400 + i, 60), max_tokens=150)
     h.run_to_completion()
     h.drain_scheduler()
-    n = h.guard.ledger.num_events["preempt"]
+    n = int(h.vllm_metric("vllm:num_preemptions"))
     if n == 0:
-        raise NotExercised("no preemption happened")
+        raise NotExercised("vLLM counted no preemption (vllm:num_preemptions)")
     return f"{n} preemptions in a {h.num_usable()}-block pool"
 
 
@@ -128,10 +148,11 @@ def _shared_prefix_abort(h: EngineHarness) -> str:
     h.abort(ids[1])
     h.run_to_completion()
     h.drain_scheduler()
-    hits = h.guard.ledger.num_events["prefix_hit"]
+    _require_aborted(h, [ids[1]])
+    hits = int(h.vllm_metric("vllm:prefix_cache_hits"))
     if hits == 0:
-        raise NotExercised("no prefix hit happened")
-    return f"{hits} prefix hits, one sharer aborted"
+        raise NotExercised("vLLM counted no prefix-cache hit (vllm:prefix_cache_hits)")
+    return f"{hits} prefix-hit tokens, one sharer aborted"
 
 
 def _saturation(h: EngineHarness) -> str:
@@ -148,14 +169,14 @@ def _spec_decode(h: EngineHarness) -> str:
         h.add(prompt(700 + i, 40), max_tokens=40)
     h.run_to_completion()
     h.drain_scheduler()
-    drafts = accepted = 0
-    for m in h.engine.get_metrics():
-        if m.name == "vllm:spec_decode_num_draft_tokens":
-            drafts += int(getattr(m, "value", 0))
-        elif m.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted += int(getattr(m, "value", 0))
+    return _require_rejections(h)
+
+
+def _require_rejections(h: EngineHarness) -> str:
+    drafts = int(h.vllm_metric("vllm:spec_decode_num_draft_tokens"))
+    accepted = int(h.vllm_metric("vllm:spec_decode_num_accepted_tokens"))
     if drafts == 0 or accepted >= drafts:
-        raise NotExercised(f"no rejected drafts ({accepted}/{drafts} accepted)")
+        raise NotExercised(f"vLLM rejected no draft ({accepted}/{drafts} accepted)")
     return f"{drafts - accepted} of {drafts} draft tokens rejected"
 
 
@@ -190,9 +211,9 @@ def _fail_after_admission(h: EngineHarness) -> str:
     # Finished inside the scheduler only: the engine's client side still waits for them,
     # so wait for the scheduler (not the client) to empty.
     h.drain_scheduler()
-    n = h.guard.ledger.num_events["finish_error"]
+    n = h.chaos.finish_statuses["FINISHED_ERROR"]
     if n != 2:
-        raise NotExercised(f"{n} requests failed, expected 2")
+        raise NotExercised(f"vLLM finished {n} requests with FINISHED_ERROR, expected 2")
     return "2 requests failed (FINISHED_ERROR) after admission"
 
 
@@ -205,7 +226,14 @@ def _skip_free_on_abort(h: EngineHarness) -> str:
     h.abort(victim)
     h.run_to_completion()
     h.drain_scheduler()
+    _require_aborted(h, [victim])
+    _require_fired(h, Fault.SKIP_FREE_ON_ABORT)
     return f"{victim} aborted holding {held} blocks ({other} ran normally)"
+
+
+def _require_fired(h: EngineHarness, fault: Fault) -> None:
+    if not h.chaos.faults.times_fired(fault):
+        raise NotExercised(f"the fault {fault.value} never fired: vLLM did not take its path")
 
 
 def _double_free_on_abort(h: EngineHarness) -> str:
@@ -214,6 +242,8 @@ def _double_free_on_abort(h: EngineHarness) -> str:
     h.step_until(lambda: h.blocks_of(victim) >= 3)
     held = h.blocks_of(victim)
     h.abort(victim)  # the engine drains here; its pool is now corrupt, so stop stepping
+    _require_aborted(h, [victim])
+    _require_fired(h, Fault.DOUBLE_FREE_ON_ABORT)
     return f"{victim} aborted holding {held} blocks, each freed twice"
 
 
@@ -221,10 +251,12 @@ def _refcount_bump(h: EngineHarness) -> str:
     h.add(prompt(1200, 70), max_tokens=10)
     h.run_to_completion()
     h.drain_scheduler()
+    _require_fired(h, Fault.REFCOUNT_BUMP)
     return "one block's ref_cnt bumped behind every hook"
 
 
 def _hook_errors(h: EngineHarness) -> str:
+    h.fail_kvguard_finish_hook(3)  # kvguard's own code raising: not an engine fault
     for i in range(4):
         h.add(prompt(1300 + i, 40), max_tokens=12)
     h.run_to_completion()
@@ -240,13 +272,87 @@ def _hook_errors(h: EngineHarness) -> str:
     return "3 exceptions inside kvguard hooks, contained and counted; one checkpoint skipped"
 
 
-def matrix(draft_model_dir: Path | None = None) -> list[Scenario]:
+def _preemption_skips_free(h: EngineHarness) -> str:
+    for i in range(6):
+        h.add(prompt(1400 + i, 60), max_tokens=150)
+    h.run_to_completion()
+    h.drain_scheduler()
+    n = int(h.vllm_metric("vllm:num_preemptions"))
+    if n == 0:
+        raise NotExercised("vLLM counted no preemption (vllm:num_preemptions)")
+    _require_fired(h, Fault.PREEMPTION_SKIPS_FREE)
+    return f"{n} preemptions; the first one dropped its tables without freeing"
+
+
+def _spec_rollback_keeps_blocks(h: EngineHarness) -> str:
+    # Prompt + output end just short of a block boundary, so the last step's lookahead
+    # (3 draft tokens) reaches into a block that no computed token uses.
+    for i in range(8):
+        h.add(prompt(1500 + i, 40), max_tokens=21 + i % 3)
+        h.run_to_completion()
+        if h.chaos.faults.times_fired(Fault.SPEC_ROLLBACK_KEEPS_BLOCKS):
+            break
+    h.drain_scheduler()
+    rejected = _require_rejections(h)
+    _require_fired(h, Fault.SPEC_ROLLBACK_KEEPS_BLOCKS)
+    return rejected + "; one finished request kept its rejected-draft blocks"
+
+
+def _prefix_hit_extra_ref(h: EngineHarness) -> str:
+    shared = prompt(1600, 96)
+    h.add(shared + prompt(1601, 10), max_tokens=8)
+    h.run_to_completion()
+    h.add(shared + prompt(1602, 10), max_tokens=8)  # hits the 3 cached prefix blocks
+    h.run_to_completion()
+    h.drain_scheduler()
+    hits = int(h.vllm_metric("vllm:prefix_cache_hits"))
+    if hits == 0:
+        raise NotExercised("vLLM counted no prefix-cache hit (vllm:prefix_cache_hits)")
+    _require_fired(h, Fault.PREFIX_HIT_EXTRA_REF)
+    return f"{hits} prefix-hit tokens; one hit took two references"
+
+
+def _deferred_free_never_released(h: EngineHarness) -> str:
+    from kvguard.chaos.sustained import SustainedLoad
+
+    h.add(prompt(1700, 70), max_tokens=6, rid="parked-1")
+    h.run_to_completion()
+    _require_fired(h, Fault.DEFERRED_FREE_NEVER_RELEASED)
+    if not len(h.scheduler.deferred_frees):
+        raise NotExercised("vLLM's deferred_frees is empty: the free was not deferred")
+    # Under load (the engine never drains: a free stays parked), only the online audit
+    # can judge; it reports once the hold outlives the bound and two sweeps agree.
+    load = SustainedLoad(h, concurrency=4, backlog=1)
+    deadline = time.monotonic() + h.guard.delayed_free_bound + 90.0
+    while not any(r.verdict is Verdict.LEAK for r in h.online_reports()):
+        if time.monotonic() > deadline:
+            raise NotExercised("no online report within the bound + 90 s")
+        load.step()
+    h.run_to_completion()
+    h.drain_scheduler()
+    return (f"parked-1's free parked in deferred_frees for good "
+            f"({load.started} requests of load beside it)")
+
+
+def _sliding_window_skips_free(h: EngineHarness) -> str:
+    h.add(prompt(1800, 200), max_tokens=40)
+    h.run_to_completion()
+    h.drain_scheduler()
+    _require_fired(h, Fault.SLIDING_WINDOW_REMOVAL_SKIPS_FREE)
+    return "blocks that slid out of the 64-token window were nulled, never freed"
+
+
+def matrix(draft_model_dir: Path | None = None,
+           hybrid_model_dir: Path | None = None) -> list[Scenario]:
     """Every scenario, in the order ``kvguard chaos`` runs them."""
     spec_extra: dict[str, object] = {}
     if draft_model_dir is not None:
         spec_extra = {"extra": {"speculative_config": {
             "method": "draft_model", "model": str(draft_model_dir),
             "num_speculative_tokens": 3}}}
+    hybrid: dict[str, object] = {}
+    if hybrid_model_dir is not None:
+        hybrid = {"model_dir": hybrid_model_dir}
     return [
         Scenario("disconnect_c1", "client disconnects mid-stream, 1 concurrent", _disconnects(1)),
         Scenario("disconnect_c8", "client disconnects mid-stream, 8 concurrent", _disconnects(8)),
@@ -277,8 +383,7 @@ def matrix(draft_model_dir: Path | None = None) -> list[Scenario]:
         Scenario("fail_after_admission", "2 requests fail (FINISHED_ERROR) after admission",
                  _fail_after_admission),
         Scenario("hook_exceptions", "3 exceptions inside kvguard's own hooks (records then "
-                 "incomplete: one checkpoint skipped, then judged again)", _hook_errors,
-                 faults={Fault.HOOK_ERROR: 3}),
+                 "incomplete: one checkpoint skipped, then judged again)", _hook_errors),
         Scenario("fault_skip_free_on_abort", "FAULT: the aborted request's free is skipped",
                  _skip_free_on_abort, verdicts=frozenset({Verdict.LEAK}),
                  leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.ABORT,
@@ -304,5 +409,46 @@ def matrix(draft_model_dir: Path | None = None) -> list[Scenario]:
                  _refcount_bump, verdicts=frozenset({Verdict.LEAK}),
                  leak=ExpectedLeak(LeakCause.ORPHAN, None), faults={Fault.REFCOUNT_BUMP: 1},
                  reproduces="copy-on-write / connector ref bumps (design.md section 5)"),
+        Scenario("fault_preemption_skips_free",
+                 "FAULT: a preemption drops the request's tables without freeing",
+                 _preemption_skips_free, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.PREEMPTION,
+                                   named_by_fault=True),
+                 # Without prefix caching: the re-run would take prefix hits on its own
+                 # leaked blocks, which kvguard's ledger cannot tell from new references
+                 # (it then reports the leftover reference as an unclaimed prefix hit).
+                 engine={"num_gpu_blocks_override": 12, "max_model_len": 256,
+                         "enable_prefix_caching": False},
+                 faults={Fault.PREEMPTION_SKIPS_FREE: 1},
+                 reproduces="vllm #52360 (preemption loses the free)"),
+        Scenario("fault_spec_rollback_keeps_blocks",
+                 "FAULT: a finished request keeps its rejected-draft blocks",
+                 _spec_rollback_keeps_blocks, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.FINISH,
+                                   named_by_fault=True),
+                 engine=spec_extra, faults={Fault.SPEC_ROLLBACK_KEEPS_BLOCKS: 1},
+                 reproduces="SGLang #19518, sglang-jax #1147 (draft slots never freed)"),
+        Scenario("fault_prefix_hit_extra_ref",
+                 "FAULT: a prefix-cache hit takes a second reference",
+                 _prefix_hit_extra_ref, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.ORPHAN, None),
+                 faults={Fault.PREFIX_HIT_EXTRA_REF: 1},
+                 reproduces="xLLM #828 (prefix-cache reference never released)"),
+        Scenario("fault_deferred_free_never_released",
+                 "FAULT: a free parked in deferred_frees is never released",
+                 _deferred_free_never_released, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.DEFERRED_FREE,
+                                   frozenset({"parked-1"})),
+                 faults={Fault.DEFERRED_FREE_NEVER_RELEASED: 1},
+                 delayed_free_bound_seconds=1.0, evidence=Evidence.ONLINE,
+                 kvguard={"online_budget_fraction": 0.2},
+                 reproduces="vllm #45357 (deferred-free fence), vllm-rbln PR #903"),
+        Scenario("fault_sliding_window_skips_free",
+                 "FAULT: blocks sliding out of the window are never freed (hybrid model)",
+                 _sliding_window_skips_free, verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.ORPHAN, None),
+                 engine=hybrid, faults={Fault.SLIDING_WINDOW_REMOVAL_SKIPS_FREE: 1},
+                 kvguard={"online_audit": False},
+                 reproduces="vllm-ascend PR #10394 (remove_skipped_blocks), vllm #25431"),
     ]
 

@@ -14,11 +14,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.cli.render import render_state
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
@@ -119,6 +121,9 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
                "KVGUARD_ENGINE_NAME": ENGINE_NAME, "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
         if inject_fault:
+            # The fault lives in vLLM's scheduler (a subclass kvguard hooks like any other).
+            spec = dataclasses.replace(spec, extra={**spec.extra,
+                                                    "scheduler_cls": SCHEDULER_CLS})
             env |= {"KVGUARD_ALLOW_FAULTS": "1", "KVGUARD_FAULTS": "skip_free_on_abort=1"}
         _say(f"kvguard demo: a tiny real vLLM server ({spec.num_gpu_blocks_override - 1} KV "
              "blocks of 32 tokens) with kvguard in its EngineCore.")

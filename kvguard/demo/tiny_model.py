@@ -57,9 +57,9 @@ def _vocab() -> dict[str, int]:
     return {word: token_id for token_id, word in enumerate(words)}
 
 
-def _config(num_hidden_layers: int) -> dict[str, object]:
+def _config(num_hidden_layers: int, **extra: object) -> dict[str, object]:
     """The ``config.json`` of a tiny ``LlamaForCausalLM``; hidden 128, 4 heads, 2 KV heads."""
-    return {
+    return {**extra,
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": VOCAB_SIZE,
@@ -116,14 +116,14 @@ def _json_bytes(value: dict[str, object]) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _write_model(model_dir: Path, num_hidden_layers: int) -> Path:
+def _write_model(model_dir: Path, num_hidden_layers: int, **config: object) -> Path:
     """Write the model files into ``model_dir``, touching only files whose content differs.
 
     Each file is replaced atomically, so a concurrent reader (or a second writer)
     sees either the old or the new complete file, never a partial one.
     """
     files = {
-        "config.json": _json_bytes(_config(num_hidden_layers)),
+        "config.json": _json_bytes(_config(num_hidden_layers, **config)),
         "generation_config.json": _json_bytes(_generation_config()),
         **_tokenizer_files(),
     }
@@ -155,3 +155,18 @@ def make_draft_model(directory: Path, *, name: str = DRAFT_NAME) -> Path:
     ``draft_model`` method requires. Idempotent, like :func:`make_tiny_model`.
     """
     return _write_model(directory / name, num_hidden_layers=1)
+
+
+SLIDING_WINDOW_TOKENS: Final = 64
+"""The window of the hybrid model's sliding-attention layer, in tokens (two 32-token blocks)."""
+
+
+def make_hybrid_model(directory: Path, *, name: str = "kvguard-tiny-hybrid") -> Path:
+    """Create the 2-layer hybrid model at ``directory / name``: one sliding-window layer
+    (:data:`SLIDING_WINDOW_TOKENS`) and one full-attention layer, so vLLM keeps two KV
+    cache groups and frees blocks that slide out of the window while a request runs.
+    Idempotent, like :func:`make_tiny_model`.
+    """
+    return _write_model(directory / name, num_hidden_layers=2,
+                        layer_types=["sliding_attention", "full_attention"],
+                        sliding_window=SLIDING_WINDOW_TOKENS)

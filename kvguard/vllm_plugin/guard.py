@@ -40,7 +40,6 @@ from kvguard.transport.state import EngineState, OnlineState
 from kvguard.version import __version__
 from kvguard.vllm_plugin.connector_bounds import HoldBound, connector_hold_bound
 from kvguard.vllm_plugin.drain import drain_state
-from kvguard.vllm_plugin.faults import FaultPlan
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.pool_reader import VllmPoolAccess, all_request_tables, read_pool
 
@@ -90,13 +89,12 @@ class HookErrors:
 class EngineGuard:
     """kvguard's per-engine state. Called only from the engine's scheduler thread."""
 
-    def __init__(self, scheduler: Any, config: KvguardConfig, faults: FaultPlan) -> None:
+    def __init__(self, scheduler: Any, config: KvguardConfig) -> None:
         self.scheduler = scheduler
         self.hold_bound: HoldBound = connector_hold_bound(getattr(scheduler, "vllm_config", None))
         """The KV connector's own bound for delayed frees (used unless configured)."""
         self.online: OnlineAuditor | None = None
         self._config = config
-        self.faults = faults
         self.kv_cache_manager = scheduler.kv_cache_manager
         self.block_pool = self.kv_cache_manager.block_pool
         null = getattr(self.block_pool, "null_block", None)
@@ -169,13 +167,6 @@ class EngineGuard:
         while f"{name}-{i}" in _GUARDS:
             i += 1
         return f"{name}-{i}"
-
-    def arm_faults(self, plan: FaultPlan) -> None:
-        """Replace the fault plan (tests and staging; logs loudly when non-empty)."""
-        if plan:
-            log.warning("KVGUARD FAULT INJECTION ARMED on %s: %s", self.engine,
-                        ", ".join(plan.enabled))
-        self.faults = plan
 
     # ------------------------------------------------------------ containment
     @contextmanager
@@ -404,7 +395,7 @@ class EngineGuard:
             vllm_version=_vllm_version(),
             hooks_installed=list(self.hooks_installed),
             hooks_missing=list(self.hooks_missing),
-            faults_enabled=self.faults.enabled,
+            faults_enabled=faults_enabled(self.scheduler),
             pool=self.last_pool,
             live_requests=self.ledger.num_live_requests(),
             finished_requests_holding_blocks=len(holding),
@@ -434,6 +425,15 @@ def _findings_key(report: CheckpointReport) -> frozenset[tuple[str, str | None, 
     blocks per finding."""
     return frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)
                      for f in report.leaks)
+
+
+def faults_enabled(scheduler: Any) -> list[str]:
+    """What a fault-injecting scheduler says it injects (its ``faults_enabled``, a list of
+    strings); empty for vLLM's own scheduler. Read at publish time, never in a hook."""
+    said = getattr(scheduler, "faults_enabled", None)
+    if isinstance(said, list) and all(isinstance(s, str) for s in said):
+        return list(said)
+    return []
 
 
 def _default_engine_name(scheduler: Any) -> str:

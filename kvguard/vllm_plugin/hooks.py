@@ -33,8 +33,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from kvguard.core.types import AcquireKind, FinishReason, RequestId
-from kvguard.vllm_plugin.faults import Fault
+from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard
 from kvguard.vllm_plugin.pool_reader import request_block_ids
@@ -166,12 +165,6 @@ def install_hooks(g: EngineGuard) -> None:
                 now = time.time()
                 ledger.on_request_finished(rid, finish_reason_of(request), now)
                 g.drain.on_completion(now)
-                if g.faults and g.faults.fire(Fault.REFCOUNT_BUMP):
-                    tail = request_block_ids(kvm, rid)
-                    if tail:
-                        pool.blocks[tail[-1]].ref_cnt += 1  # behind every hook, on purpose
-                if g.faults and g.faults.fire(Fault.HOOK_ERROR):
-                    raise RuntimeError("injected kvguard hook failure (KVGUARD_FAULTS=hook_error)")
             except Exception as exc:
                 errors.record("finish", exc)
             try:
@@ -191,28 +184,15 @@ def install_hooks(g: EngineGuard) -> None:
     def make_free_request_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
         def _free_request_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
-            skip = False
-            double: list[Any] = []
             n_deferred = 0
             try:
                 rid = RequestId(request.request_id)
                 claim(rid)  # also reached from delayed-free completions: claim here too
                 n_deferred = len(getattr(sched, "deferred_frees", ()))
-                if g.faults and finish_reason_of(request) is FinishReason.ABORTED \
-                        and request_block_ids(kvm, rid):
-                    if g.faults.fire(Fault.SKIP_FREE_ON_ABORT):
-                        skip = True
-                    elif g.faults.fire(Fault.DOUBLE_FREE_ON_ABORT):
-                        double = [pool.blocks[b] for b in request_block_ids(kvm, rid)]
             except Exception as exc:
                 errors.record("free_request_blocks", exc)
-            if skip:
-                return None  # injected fault: the free on this abort path never happens
             try:
-                ret = call_as(rid, orig, request, *args, **kwargs)
-                if double:  # injected fault: freed twice
-                    call_as(rid, pool.free_blocks, list(reversed(double)))
-                return ret
+                return call_as(rid, orig, request, *args, **kwargs)
             finally:
                 try:
                     if rid is not None and len(getattr(sched, "deferred_frees", ())) > n_deferred:

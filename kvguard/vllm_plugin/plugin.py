@@ -18,7 +18,6 @@ import logging
 from typing import Any
 
 from kvguard.config import KvguardConfig
-from kvguard.vllm_plugin.faults import FaultPlan
 
 log = logging.getLogger("kvguard")
 
@@ -33,7 +32,6 @@ def register() -> None:
         if not config.enabled:
             log.info("kvguard disabled (KVGUARD_ENABLED=0)")
             return
-        FaultPlan.parse(config.faults, allowed=config.allow_faults, quiet=True)  # fail early
         from vllm.v1.core.sched.scheduler import Scheduler
     except Exception as exc:
         log.error("kvguard is OFF for this process: %s", exc)
@@ -87,8 +85,11 @@ def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
             # later with KVGUARD_ENABLED=0 must still get nothing at all.
             log.info("kvguard disabled for this engine (KVGUARD_ENABLED=0)")
             return None
-        guard = EngineGuard(scheduler, config, FaultPlan.parse(config.faults,
-                                                                allowed=config.allow_faults))
+        guard = EngineGuard(scheduler, config)
+        if config.faults and not hasattr(scheduler, "faults_enabled"):
+            log.warning("KVGUARD_FAULTS is set but this engine's scheduler injects no faults: "
+                        "faults need --scheduler-cls %s (tests and staging only)",
+                        "kvguard.chaos.faults.scheduler.ChaosScheduler")
         install_hooks(guard)
         scheduler._kvguard = guard
         log.info("kvguard attached to engine %s (%d hooks, %d missing); state in %s",

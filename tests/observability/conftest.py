@@ -25,6 +25,7 @@ import pytest
 import yaml
 from _obs_contract import RULES, PrometheusServer, prometheus_binary
 
+from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
 from kvguard.demo.tiny_model import make_tiny_model
@@ -76,14 +77,16 @@ def static_metrics_target() -> Iterator[str]:
 def metrics_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real sidecar's /metrics, in front of a real vLLM server that leaked KV blocks.
 
-    The server runs with kvguard's opt-in fault injection: ``refcount_bump=1`` (the first
-    finishing request's last block keeps a reference nobody owns: deterministic) and
-    ``skip_free_on_abort=1`` (the first request a hanging-up client aborts keeps its blocks).
+    The server runs with the chaos scheduler's opt-in faults (in vLLM's own paths):
+    ``refcount_bump=1`` (the first finishing request's last block keeps a reference nobody
+    owns: deterministic) and ``skip_free_on_abort=1`` (the first request a hanging-up
+    client aborts keeps its blocks).
     The sidecar is the real ``kvguard sidecar`` command, started as its own process.
     """
     root = tmp_path_factory.mktemp("observability")
     run_dir = root / "run"
-    spec = EngineSpec(model_dir=make_tiny_model(root / "model"), max_num_seqs=8)
+    spec = EngineSpec(model_dir=make_tiny_model(root / "model"), max_num_seqs=8,
+                      extra={"scheduler_cls": SCHEDULER_CLS})  # the faults' scheduler
     # The workload is short (a few hundred engine steps): the online audit gets 5 % of
     # scheduler time (default 0.5 %) so that its sweeps complete and its series exist.
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),

@@ -6,6 +6,7 @@ environment. Prints ``{"epoch": ..., "checkpoints": N, "verdict": ...}``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,7 +17,12 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _reliability import ReliabilityEngine, spec_for
 
-    engine = ReliabilityEngine(spec_for(Path(sys.argv[1])), enabled=True)
+    from kvguard.chaos.faults import SCHEDULER_CLS
+
+    spec = spec_for(Path(sys.argv[1]))
+    if os.environ.get("KVGUARD_FAULTS"):  # faults live in the chaos scheduler
+        spec = dataclasses.replace(spec, extra={**spec.extra, "scheduler_cls": SCHEDULER_CLS})
+    engine = ReliabilityEngine(spec, enabled=True)
     engine.mixed_round()
     g = engine.g
     g.publish()

@@ -11,6 +11,7 @@ checkpoint requests from the sidecar.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -27,6 +28,9 @@ from kvguard.demo.tiny_model import WORDS, make_tiny_model
 from kvguard.demo.workload import cancel_mid_stream, stream_completion
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.store import EngineStore
+
+HERE = Path(__file__).resolve().parent
+HOOK_ERROR_SCHEDULER = "_hook_error_scheduler.HookErrorScheduler"
 
 pytestmark = pytest.mark.server
 
@@ -83,10 +87,11 @@ def test_prompts_never_reach_reports_metrics_logs_or_files(tmp_path: Path) -> No
     # abort API needs --enable-scale-out.
     spec = EngineSpec(model_dir=model, num_gpu_blocks_override=128, max_model_len=2048,
                       max_num_seqs=8, max_num_batched_tokens=2048,
-                      extra={"enable_scale_out": True})
+                      extra={"enable_scale_out": True, "scheduler_cls": HOOK_ERROR_SCHEDULER})
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
            "KVGUARD_ENGINE_NAME": "canary", "KVGUARD_ALLOW_FAULTS": "1",
-           "KVGUARD_FAULTS": "skip_free_on_abort=1,hook_error=2",
+           "KVGUARD_FAULTS": "skip_free_on_abort=1", "KVGUARD_TEST_HOOK_ERRORS": "2",
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "KVGUARD_DELAYED_FREE_BOUND_SECONDS": "0"}
     prompts = [" ".join([*markers[k:], OUT_OF_VOCAB, *markers[:k], *WORDS[40:40 + 8 * k]])
                for k in range(4)]

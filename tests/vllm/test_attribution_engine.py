@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 import torch
 
+from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
 from kvguard.core.report import AttributionStatus, Boundary, CheckpointReport, Verdict
 from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.store import EngineStore
 from kvguard.transport.reader import read_run_dir
-from kvguard.vllm_plugin.faults import Fault, FaultPlan
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 Engines = Callable[..., Harness]
@@ -138,12 +138,12 @@ def test_retained_outputs_are_a_live_owner_in_process_memory_not_the_kv_pool(
 def test_a_kv_leak_moves_the_pool_not_process_memory(engines: Engines,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVGUARD_ATTRIBUTION_WARMUP_CHECKPOINTS", "0")
-    h = engines()
+    h = engines(scheduler_cls=SCHEDULER_CLS)
     _round(h, 30)
     assert [r.attribution.status for r in h.guard.reports if r.attribution] == [
         AttributionStatus.BASELINE, AttributionStatus.COMPARED]
 
-    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+    h.chaos.arm(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
     victim = h.add(prompt(31, 70), max_tokens=50)
     h.step_until(lambda: any(
         r.request_id.startswith(victim) and

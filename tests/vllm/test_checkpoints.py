@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
 from kvguard.core.types import FinishReason, LeakCause, LeakPath, Verdict
-from kvguard.vllm_plugin.faults import Fault, FaultPlan
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 Engines = Callable[..., Harness]
@@ -82,8 +82,8 @@ def test_preemption_in_a_tiny_pool_leaves_no_leak(engines: Engines) -> None:
 
 
 def test_skipped_free_on_abort_is_a_leak_naming_request_blocks_and_path(engines: Engines) -> None:
-    h = engines()
-    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+    h = engines(scheduler_cls=SCHEDULER_CLS)
+    h.chaos.arm(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
     victim = h.add(prompt(400, 70), max_tokens=50)
     other = h.add(prompt(401, 30), max_tokens=50)
     h.step_until(lambda: h.scheduler.running and all(
@@ -109,8 +109,8 @@ def test_skipped_free_on_abort_is_a_leak_naming_request_blocks_and_path(engines:
 
 
 def test_refcount_bump_without_owner_is_an_orphan(engines: Engines) -> None:
-    h = engines()
-    h.guard.arm_faults(FaultPlan({Fault.REFCOUNT_BUMP: 1}))
+    h = engines(scheduler_cls=SCHEDULER_CLS)
+    h.chaos.arm(FaultPlan({Fault.REFCOUNT_BUMP: 1}))
     h.add(prompt(500, 70), max_tokens=10)
     h.run_to_completion()
     r = h.latest()
@@ -123,8 +123,8 @@ def test_refcount_bump_without_owner_is_an_orphan(engines: Engines) -> None:
 
 
 def test_double_free_on_abort_is_reported_as_double_free(engines: Engines) -> None:
-    h = engines()
-    h.guard.arm_faults(FaultPlan({Fault.DOUBLE_FREE_ON_ABORT: 1}))
+    h = engines(scheduler_cls=SCHEDULER_CLS)
+    h.chaos.arm(FaultPlan({Fault.DOUBLE_FREE_ON_ABORT: 1}))
     victim = h.add(prompt(600, 70), max_tokens=50)
     h.step_until(lambda: len(h.scheduler.running) == 1 and len(request_block_ids(
         h.scheduler.kv_cache_manager, h.scheduler.running[0].request_id)) >= 3)
@@ -142,7 +142,7 @@ def test_double_free_on_abort_is_reported_as_double_free(engines: Engines) -> No
 
 def test_exception_inside_a_hook_is_counted_and_requests_complete(engines: Engines) -> None:
     h = engines()
-    h.guard.arm_faults(FaultPlan({Fault.HOOK_ERROR: 3}))
+    h.fail_kvguard_finish_hook(3)
     ids = [h.add(prompt(700 + i, 40), max_tokens=12) for i in range(4)]
     outputs: dict[str, int] = {}
     for _ in range(500):

@@ -15,12 +15,12 @@ import time
 
 import pytest
 
+from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
 from kvguard.chaos.sustained import SustainedLoad
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
-from kvguard.vllm_plugin.faults import Fault, FaultPlan
 
 
 class Watch:
@@ -96,7 +96,7 @@ def test_each_injected_leak_is_found_online_within_three_sweeps(
     # vLLM asserts on its ref count then (the engine dies: the real bug's consequence).
     # So the victim is aborted right after its 64-token prefill, holding two full
     # (hashed) blocks, which go to the tail of a 256-block free queue.
-    h, load = never_draining(engines, num_gpu_blocks_override=256)
+    h, load = never_draining(engines, num_gpu_blocks_override=256, scheduler_cls=SCHEDULER_CLS)
     victim = "victim"
     h.add(prompt(1100, 64), max_tokens=400, rid=victim)
     for _ in range(200):
@@ -104,7 +104,7 @@ def test_each_injected_leak_is_found_online_within_three_sweeps(
             break
         load.step()
     assert h.blocks_of(victim) == 2
-    h.guard.arm_faults(FaultPlan({fault: 1}))
+    h.chaos.arm(FaultPlan({fault: 1}))
     if fault is not Fault.REFCOUNT_BUMP:
         h.abort(victim)  # the fault fires on this abort
     watch = Watch(h, load)
@@ -113,7 +113,7 @@ def test_each_injected_leak_is_found_online_within_three_sweeps(
     print(f"[online] {fault.value}: reported after {steps} steps, "
           f"{time.monotonic() - t0:.3f} s; sweeps of up to {watch.max_sweep_steps} steps "
           f"(stated bound {3 * watch.max_sweep_steps} steps)")
-    assert h.guard.faults.enabled == [f"{fault.value} (fired 1 of 1)"]
+    assert h.guard.state().faults_enabled == [f"{fault.value} (fired 1 of 1)"]
     assert report.evidence is Evidence.ONLINE and not report.drained
     assert [(lk.cause, lk.evidence) for lk in report.leaks] == [(cause, Evidence.ONLINE)]
     [leak] = report.leaks
@@ -132,11 +132,11 @@ def test_a_hook_failure_under_load_rebuilds_the_records_with_no_false_alarm(
     engines,  # type: ignore[no-untyped-def]
 ) -> None:
     """A contained kvguard failure under load: records rebuilt, audit goes on, still sharp."""
-    h, load = never_draining(engines, num_gpu_blocks_override=128)
+    h, load = never_draining(engines, num_gpu_blocks_override=128, scheduler_cls=SCHEDULER_CLS)
     online = h.guard.online
     assert online is not None
     restarts = online.stats.restarts_total
-    h.guard.arm_faults(FaultPlan({Fault.HOOK_ERROR: 2}))
+    h.fail_kvguard_finish_hook(2)
     load.step(400)
     assert h.guard.errors.by_hook["finish"] == 2
     assert online.stats.restarts_total > restarts  # rebuilt from the engine's tables
@@ -148,7 +148,7 @@ def test_a_hook_failure_under_load_rebuilds_the_records_with_no_false_alarm(
             break
         load.step()
     assert h.blocks_of("late-victim") >= 2, "the victim was never scheduled"
-    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+    h.chaos.arm(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
     h.abort("late-victim")
     report, _ = Watch(h, load).until_online_leak()
     assert [lk.client_request_id for lk in report.leaks] == ["late-victim"]
@@ -200,12 +200,12 @@ def test_the_online_audit_never_contradicts_a_drained_leak_it_has_not_yet_confir
 ) -> None:
     """A drained checkpoint finds a leak; load resumes. The online audit must not report
     'clean' (which would drop kvguard_leaked_blocks to 0) before it could confirm."""
-    h: Harness = engines(num_gpu_blocks_override=128)
+    h: Harness = engines(num_gpu_blocks_override=128, scheduler_cls=SCHEDULER_CLS)
     load = SustainedLoad(h)
     load.step(400)  # the online audit has swept a few times
     h.add(prompt(1300, 64), max_tokens=400, rid="victim")
     h.step_until(lambda: h.blocks_of("victim") >= 2)
-    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+    h.chaos.arm(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
     h.abort("victim")
     h.run_to_completion()
     h.drain_scheduler()

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
+from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
-from kvguard.vllm_plugin.faults import Fault, FaultPlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pages"))
 from browser import browser_page, serve_sidecar
@@ -27,7 +27,7 @@ def test_status_page_shows_a_real_engine_leak_within_one_refresh(
 ) -> None:
     run_dir = tmp_path / "run"
     monkeypatch.setenv("KVGUARD_RUN_DIR", str(run_dir))
-    h = engines()
+    h = engines(scheduler_cls=SCHEDULER_CLS)
     h.guard.config = dataclasses.replace(h.guard.config, publish_interval_seconds=0.0)
     h.add(prompt(1400, 40), max_tokens=8)
     h.run_to_completion()
@@ -36,7 +36,7 @@ def test_status_page_shows_a_real_engine_leak_within_one_refresh(
         card = page.locator(f'[data-engine="{h.guard.engine}"]')
         expect(card.get_by_test_id("verdict")).to_contain_text(re.compile("clean|saturated"))
 
-        h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
+        h.chaos.arm(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 1}))
         h.add(prompt(1401, 70), max_tokens=60, rid="page-victim")
         h.step_until(lambda: h.blocks_of("page-victim") >= 3)
         held = h.blocks_of("page-victim")

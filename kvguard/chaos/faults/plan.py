@@ -1,22 +1,18 @@
-"""Opt-in fault injectors that reproduce real leak classes inside the real vLLM.
+"""Which faults to inject and how often: the plan, from code or from two environment keys.
 
-FOR TESTS AND STAGING ONLY. They make the engine leak KV blocks on purpose.
-Two keys must both be set, so that one stray variable cannot enable them:
-``KVGUARD_ALLOW_FAULTS=1`` and ``KVGUARD_FAULTS=<spec>``; enabling logs a
-warning on every engine start. ``<spec>`` is a comma-separated list of
-``name=count`` (how many times the fault fires):
-
-``skip_free_on_abort``    an aborted request's block free is skipped (vllm #29987 class)
-``double_free_on_abort``  an aborted request's blocks are freed twice (SGLang #6888 class)
-``refcount_bump``         a finishing request's last block gets ``ref_cnt += 1``
-                          behind every hook (a copy-on-write/connector bump never released)
-``hook_error``            kvguard's own finish hook raises (proves containment)
+FOR TESTS AND STAGING ONLY: every fault makes the engine leak or corrupt KV blocks on
+purpose. A plan only takes effect in an engine built with
+:class:`kvguard.chaos.faults.scheduler.ChaosScheduler` (``--scheduler-cls``), and from the
+environment only when both ``KVGUARD_ALLOW_FAULTS=1`` and ``KVGUARD_FAULTS=<spec>`` are
+set; ``<spec>`` is a comma-separated list of ``name=count`` (how many times the fault
+fires; ``name`` alone is once). Arming a non-empty plan logs a warning.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Mapping
 
 from kvguard.errors import ConfigError
 
@@ -24,21 +20,30 @@ log = logging.getLogger("kvguard.faults")
 
 
 class Fault(enum.StrEnum):
+    """A real bug class, injected in vLLM's own code path (see the package docstring)."""
+
     SKIP_FREE_ON_ABORT = "skip_free_on_abort"
     DOUBLE_FREE_ON_ABORT = "double_free_on_abort"
     REFCOUNT_BUMP = "refcount_bump"
-    HOOK_ERROR = "hook_error"
+    PREEMPTION_SKIPS_FREE = "preemption_skips_free"
+    SPEC_ROLLBACK_KEEPS_BLOCKS = "spec_rollback_keeps_blocks"
+    PREFIX_HIT_EXTRA_REF = "prefix_hit_extra_ref"
+    DEFERRED_FREE_NEVER_RELEASED = "deferred_free_never_released"
+    SLIDING_WINDOW_REMOVAL_SKIPS_FREE = "sliding_window_removal_skips_free"
 
 
 class FaultPlan:
-    """Remaining firings per fault. Empty (and free to check) when faults are off."""
+    """Remaining firings per fault. Empty (and false) when no fault is armed."""
 
-    def __init__(self, budget: dict[Fault, int] | None = None) -> None:
+    def __init__(self, budget: Mapping[Fault, int] | None = None) -> None:
         self._budget: dict[Fault, int] = dict(budget or {})
         self._armed: dict[Fault, int] = dict(self._budget)
+        self.fired: list[tuple[Fault, str]] = []
+        """(fault, engine-internal request id) per firing, oldest first (tooling only)."""
 
     @classmethod
-    def parse(cls, spec: str, *, allowed: bool, quiet: bool = False) -> FaultPlan:
+    def parse(cls, spec: str, *, allowed: bool) -> FaultPlan:
+        """``name=count,...``; raises :class:`ConfigError` unless ``allowed`` (the second key)."""
         spec = spec.strip()
         if not spec:
             return cls()
@@ -59,9 +64,6 @@ class FaultPlan:
             except ValueError:
                 raise ConfigError("KVGUARD_FAULTS", part, "name=count with an integer count") \
                     from None
-        if not quiet:
-            log.warning("KVGUARD FAULT INJECTION ENABLED (%s): this engine will leak or corrupt KV "
-                        "blocks on purpose. Never use this in production.", spec)
         return cls(budget)
 
     @property
@@ -73,11 +75,19 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return any(n > 0 for n in self._budget.values())
 
-    def fire(self, fault: Fault) -> bool:
+    def armed(self, fault: Fault) -> bool:
+        """Whether ``fault`` has a firing left (consumes nothing)."""
+        return self._budget.get(fault, 0) > 0
+
+    def fire(self, fault: Fault, request_id: str = "") -> bool:
         """Consume one firing of ``fault``; false when none is left."""
         n = self._budget.get(fault, 0)
         if n <= 0:
             return False
         self._budget[fault] = n - 1
-        log.warning("kvguard fault injected: %s", fault.value)
+        self.fired.append((fault, request_id))
+        log.warning("kvguard chaos: fault injected: %s", fault.value)
         return True
+
+    def times_fired(self, fault: Fault) -> int:
+        return sum(1 for f, _ in self.fired if f is fault)

@@ -18,12 +18,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
 from kvguard.core.types import LeakCause, Verdict
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.store import EngineStore
-from kvguard.vllm_plugin.faults import Fault, FaultPlan
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 PREFIX = prompt(7000, 64)  # two full 32-token blocks, cached after the first request
@@ -43,7 +43,7 @@ def test_prefix_shared_leaks_count_each_block_once_against_vllms_pool(
     engines: Callable[..., Harness], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVGUARD_RUN_DIR", str(tmp_path))
-    h = engines()
+    h = engines(scheduler_cls=SCHEDULER_CLS)
     h.guard.config = dataclasses.replace(h.guard.config, publish_interval_seconds=0.0)
     h.add(PREFIX + prompt(7001, 40), max_tokens=4)  # long first request; caches the prefix
     h.run_to_completion()
@@ -54,7 +54,7 @@ def test_prefix_shared_leaks_count_each_block_once_against_vllms_pool(
     tables = {v: request_block_ids(kvm, h.internal_id(v)) for v in victims}
     shared = set.intersection(*(set(t) for t in tables.values()))
     assert len(shared) >= 2, f"the victims must really share the cached prefix: {tables}"
-    h.guard.arm_faults(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 3}))
+    h.chaos.arm(FaultPlan({Fault.SKIP_FREE_ON_ABORT: 3}))  # below kvguard, in vLLM's path
     h.abort(*victims)
     h.run_to_completion()
     r = h.latest()

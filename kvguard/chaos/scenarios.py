@@ -64,7 +64,7 @@ class Scenario:
 def _connector(**extra: object) -> dict[str, object]:
     return {"extra": {"kv_transfer_config": {
         "kv_connector": "DelayedFreeConnector",
-        "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+        "kv_connector_module_path": "kvguard.chaos.delay_connector",
         "kv_role": "kv_both", "kv_connector_extra_config": extra}}}
 
 

@@ -17,7 +17,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvguard.config import ENGINE_NAME_PATTERN
 from kvguard.core.drain_model import DrainPrediction
-from kvguard.sidecar.control import write_request
 from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.models import (
     CheckpointRequestResponse,
@@ -31,6 +30,7 @@ from kvguard.sidecar.models import (
 )
 from kvguard.sidecar.pages.routes import register_pages
 from kvguard.sidecar.store import EngineStore
+from kvguard.transport.control import write_request
 from kvguard.version import __version__
 
 _ENGINE_NAME = ENGINE_NAME_PATTERN

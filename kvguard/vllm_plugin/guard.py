@@ -34,7 +34,7 @@ from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
 from kvguard.core.types import Evidence, RequestId, Verdict
-from kvguard.sidecar.control import request_mtime_ns
+from kvguard.transport.control import request_mtime_ns
 from kvguard.transport.publisher import StatePublisher
 from kvguard.transport.state import EngineState, OnlineState
 from kvguard.version import __version__

@@ -36,9 +36,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import kvguard.vllm_plugin.hooks as hooks_module
 from kvguard.core.types import Verdict
-from kvguard.sidecar.control import request_path
 from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.store import EngineStore
+from kvguard.transport.control import request_path
 from kvguard.transport.reader import read_state_file
 from kvguard.transport.state import EngineState
 from kvguard.vllm_plugin.guard import EngineGuard

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.core.trend import TrendVerdict
 from kvguard.sidecar.app import create_app
-from kvguard.sidecar.control import request_path
 from kvguard.sidecar.store import EngineStore
+from kvguard.transport.control import request_path
 
 CONTRACT = {
     "kvguard_pool_capacity_blocks": "gauge", "kvguard_pool_blocks": "gauge",

@@ -53,12 +53,12 @@ from vllm.v1.engine.core_client import InprocClient
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
-from kvguard.errors import ConfigError
-from kvguard.vllm_plugin.delay_connector import (
+from kvguard.chaos.delay_connector import (
     DelayedFreeConnector,
     DelayedFreeConnectorMetadata,
     DelayedFreeSettings,
 )
+from kvguard.errors import ConfigError
 
 pytestmark = [pytest.mark.engine, pytest.mark.kv_connector, pytest.mark.timeout(180)]
 
@@ -70,7 +70,7 @@ MAX_MODEL_LEN = 512
 
 KV_TRANSFER_CONFIG: dict[str, Any] = {
     "kv_connector": "DelayedFreeConnector",
-    "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+    "kv_connector_module_path": "kvguard.chaos.delay_connector",
     "kv_role": "kv_both",
     "kv_connector_extra_config": {
         "complete_after_steps": COMPLETE_AFTER_STEPS,

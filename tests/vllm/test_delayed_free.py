@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from kvguard.chaos.delay_connector import DelayedFreeConnector
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
 from kvguard.core.types import LeakCause, LeakPath, Verdict
-from kvguard.vllm_plugin.delay_connector import DelayedFreeConnector
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 BOUND_SECONDS = 0.5
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.kv_connector
 def _engine(engines: Callable[..., Harness]) -> Harness:
     h = engines(kv_transfer_config={
         "kv_connector": "DelayedFreeConnector",
-        "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+        "kv_connector_module_path": "kvguard.chaos.delay_connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"complete_after_steps": 3,
                                       "never_complete_request_prefixes": ["never-"]},

@@ -163,7 +163,7 @@ def test_a_transfer_that_never_completes_is_found_online_after_its_bound(
     bound = 1.0
     h: Harness = engines(num_gpu_blocks_override=256, kv_transfer_config={
         "kv_connector": "DelayedFreeConnector",
-        "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+        "kv_connector_module_path": "kvguard.chaos.delay_connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"complete_after_steps": 3,
                                       "never_complete_request_prefixes": ["never-"]},

@@ -15,7 +15,7 @@ Enable it with::
 
     kv_transfer_config={
         "kv_connector": "DelayedFreeConnector",
-        "kv_connector_module_path": "kvguard.vllm_plugin.delay_connector",
+        "kv_connector_module_path": "kvguard.chaos.delay_connector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "complete_after_steps": 2,

@@ -7,12 +7,21 @@ point (``VLLM_PLUGINS=kvguard``) and needs no import from user code.
 
 from kvguard.config import KvguardConfig
 from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
+from kvguard.core.engine import EngineActivity, EngineAdapter, EngineIdentity, HoldBound
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.online import OnlineAuditor, OnlineOptions, PoolAccess, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport, PoolReport
+from kvguard.core.session import (
+    CheckpointRequests,
+    GuardSession,
+    HookErrors,
+    MemoryAttributor,
+    StateSink,
+)
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
+from kvguard.core.state import EngineState, OnlineState
 from kvguard.core.types import (
     BlockState,
     Evidence,
@@ -29,7 +38,6 @@ from kvguard.errors import (
     TransportError,
 )
 from kvguard.transport.reader import read_run_dir
-from kvguard.transport.state import EngineState, OnlineState
 from kvguard.version import __version__
 
 __all__ = [
@@ -37,18 +45,26 @@ __all__ = [
     "BlockState",
     "Charge",
     "CheckpointReport",
+    "CheckpointRequests",
     "ConfigError",
     "CorruptStateError",
+    "EngineActivity",
+    "EngineAdapter",
+    "EngineIdentity",
     "EngineState",
     "Evidence",
     "Finding",
     "FinishReason",
+    "GuardSession",
+    "HoldBound",
     "HoldRule",
+    "HookErrors",
     "KvguardConfig",
     "KvguardError",
     "LeakCause",
     "LeakPath",
     "LeakReport",
+    "MemoryAttributor",
     "OnlineAuditor",
     "OnlineOptions",
     "OnlineState",
@@ -62,6 +78,7 @@ __all__ = [
     "ProtocolError",
     "ReconcileOptions",
     "Reconciliation",
+    "StateSink",
     "SweepResult",
     "TransportError",
     "Verdict",

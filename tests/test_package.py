@@ -24,7 +24,8 @@ def test_public_api_is_exactly_all() -> None:
 
 def test_core_imports_neither_vllm_nor_torch() -> None:
     code = ("import sys, kvguard, kvguard.core.reconciler, kvguard.core.checkpoint, "
-            "kvguard.core.online; "
+            "kvguard.core.online, kvguard.core.session, kvguard.core.classify, "
+            "kvguard.core.engine; "
             "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

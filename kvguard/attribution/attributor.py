@@ -67,6 +67,11 @@ class Attributor:
         self.drained_seen = 0
         self.baseline: tuple[int, MemorySample] | None = None
 
+    def attach(self, report: CheckpointReport) -> CheckpointReport:
+        """``report`` with this checkpoint's memory attribution (the session's
+        ``MemoryAttributor``)."""
+        return with_attribution(report, self.checkpoint(report.checkpoint_id, report.pool))
+
     def checkpoint(self, checkpoint_id: int, pool: PoolReport | None) -> AttributionResult:
         """Sample now (the engine is drained) and attribute. Never raises."""
         try:

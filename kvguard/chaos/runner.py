@@ -20,9 +20,9 @@ from kvguard.chaos.harness import EngineHarness
 from kvguard.chaos.result import ScenarioResult, Status, summarize
 from kvguard.chaos.scenarios import NotExercised, Scenario, matrix
 from kvguard.chaos.truth import PoolTruth, disagreement
-from kvguard.core.ledger import client_request_id
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause
+from kvguard.vllm_plugin.request_ids import client_request_id
 
 SCENARIO_TIMEOUT_SECONDS = 240.0
 RESULT_PREFIX = "KVGUARD-CHAOS-RESULT "

@@ -46,7 +46,8 @@ def render_report(r: CheckpointReport) -> str:
 
 
 def render_state(s: EngineState) -> str:
-    head = (f"== {s.engine} (pid {s.pid}, kvguard {s.kvguard_version}, vLLM {s.vllm_version}) "
+    engine = f"{s.engine_kind} {s.engine_version or '?'}"
+    head = (f"== {s.engine} (pid {s.pid}, kvguard {s.kvguard_version}, {engine}) "
             f"checkpoints: {dict(sorted(s.checkpoints_total.items())) or 'none yet'}, "
             f"hook errors: {s.hook_errors_total}")
     lines = [head]

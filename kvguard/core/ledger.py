@@ -23,7 +23,7 @@ thread. It imports neither vLLM nor torch.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvguard.core.types import (
@@ -89,11 +89,8 @@ class DoubleFreeEvent:
     path: LeakPath
 
 
-def client_request_id(request_id: str) -> str:
-    """Map vLLM's internal id (``<client id>-<8 hex>``) back to the client's id."""
-    head, sep, tail = request_id.rpartition("-")
-    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
-        return head
+def same_id(request_id: str) -> str:
+    """The default id mapping: the engine's request id is the client's."""
     return request_id
 
 
@@ -103,7 +100,12 @@ class OwnershipLedger:
     All ``at`` arguments are Unix time in seconds (``time.time()``).
     """
 
-    def __init__(self, *, null_block_ids: Iterable[int] = (0,)) -> None:
+    def __init__(self, *, null_block_ids: Iterable[int] = (0,),
+                 client_id_of: Callable[[str], str] = same_id) -> None:
+        """``null_block_ids``: the engine's placeholder blocks, never recorded.
+        ``client_id_of``: maps the engine's internal request id to the client's (the
+        engine adapter knows how; the default keeps the id)."""
+        self.client_id_of = client_id_of
         self._null_blocks = frozenset(BlockId(b) for b in null_block_ids)
         self.num_double_frees = 0
         self.num_finished_compacted: Counter[FinishReason] = Counter()
@@ -205,7 +207,7 @@ class OwnershipLedger:
             return  # re-admission of a streaming session: keep what it holds
         self._records[request_id] = RequestRecord(
             request_id=request_id,
-            client_request_id=client_request_id(request_id),
+            client_request_id=self.client_id_of(request_id),
             admitted_at=at,
         )
 
@@ -346,7 +348,7 @@ class OwnershipLedger:
             # missed admit): track it from here on.
             rec = RequestRecord(
                 request_id=request_id,
-                client_request_id=client_request_id(request_id),
+                client_request_id=self.client_id_of(request_id),
                 admitted_at=at,
             )
             self._records[request_id] = rec

@@ -23,7 +23,7 @@ from typing import cast
 
 from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
-from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger, client_request_id
+from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger
 from kvguard.core.snapshot import PoolSnapshot, count_falsy
 from kvguard.core.types import (
     BlockId,
@@ -70,7 +70,8 @@ class _Collector:
                         detail=charge.detail, evidence=self.opts.evidence)
             rec = self.ledger.record(rid) if rid is not None else None
             if rid is not None:
-                f.client_request_id = client_request_id(rid)
+                f.client_request_id = rec.client_request_id if rec is not None \
+                    else self.ledger.client_id_of(rid)
             if rec is not None:
                 f.finish_reason = rec.finish_reason
                 if rec.finished_at is not None:

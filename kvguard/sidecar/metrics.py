@@ -31,7 +31,8 @@ class KvguardCollector(Collector):
                                "1 while the engine's published state is fresh (heartbeat).",
                                labels=eng)
         info = GaugeMetricFamily("kvguard_engine_info", "Engine identity (value is always 1).",
-                                 labels=["engine", "epoch", "kvguard_version", "vllm_version"])
+                                 labels=["engine", "epoch", "kvguard_version", "engine_kind",
+                                         "engine_version"])
         cap = GaugeMetricFamily("kvguard_pool_capacity_blocks",
                                 "Usable KV blocks in the pool (null block excluded).", labels=eng)
         blocks = GaugeMetricFamily("kvguard_pool_blocks",
@@ -92,7 +93,8 @@ class KvguardCollector(Collector):
             if s.drain is not None:
                 drain_eta.add_metric([name], s.drain.eta_seconds)
             up.add_metric([name], 1.0 if self.store.is_up(view, now) else 0.0)
-            info.add_metric([name, s.epoch, s.kvguard_version, s.vllm_version or ""], 1.0)
+            info.add_metric([name, s.epoch, s.kvguard_version, s.engine_kind,
+                             s.engine_version or ""], 1.0)
             holding.add_metric([name], float(s.finished_requests_holding_blocks))
             if s.pool is not None:
                 p = s.pool

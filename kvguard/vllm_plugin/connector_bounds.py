@@ -20,18 +20,12 @@ A MultiConnector takes the largest bound of its parts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
+
+from kvguard.core.engine import HoldBound
 
 DEFAULT_BOUND_SECONDS = 30.0
 """When neither the user nor the connector says: a transfer taking longer is suspect."""
-
-
-@dataclass(frozen=True, slots=True)
-class HoldBound:
-    seconds: float
-    source: str
-    """Where the number came from, for the log and the report."""
 
 
 def connector_hold_bound(vllm_config: Any) -> HoldBound:

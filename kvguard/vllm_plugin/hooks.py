@@ -33,10 +33,9 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
-from kvguard.core.types import AcquireKind, RequestId
+from kvguard.core.types import RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard
-from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 log = logging.getLogger("kvguard")
 
@@ -60,31 +59,37 @@ def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> No
 
 
 def install_hooks(g: EngineGuard) -> None:
-    """Install every hook on ``g.scheduler`` and its block pool."""
+    """Install every hook on ``g.scheduler`` and its block pool.
+
+    The hooks only forward events to the session ``g``. Pool calls carry no request;
+    the lifecycle hook that causes them names the request in ``owner`` (a cell local
+    to these hooks, set for the duration of the engine's call), so a free inside
+    ``_free_request_blocks`` is charged to that request.
+    """
     pool = g.block_pool
     sched = g.scheduler
-    kvm = g.kv_cache_manager
-    ledger = g.ledger
+    vllm = g.vllm
     errors = g.errors
-
-    def claim(rid: RequestId) -> None:
-        ledger.claim(rid, request_block_ids(kvm, rid))
+    owner: list[RequestId | None] = [None]
+    """The request whose lifecycle call is running (pool calls inside it are its)."""
+    schedule_seconds = [0.0]
+    """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
+    allocated, hit, freed = g.on_blocks_allocated, g.on_prefix_hit, g.on_blocks_freed
 
     def call_as(rid: RequestId | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Call the engine's ``fn`` with ``rid`` as the owner of any block it releases."""
-        prev, g.current_owner = g.current_owner, rid
+        prev, owner[0] = owner[0], rid
         try:
             return fn(*args, **kwargs)
         finally:
-            g.current_owner = prev
+            owner[0] = prev
 
     # --- pool: where blocks move -------------------------------------------
     def make_get_new_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             ret = orig(*args, **kwargs)
             try:
-                ledger.on_blocks_acquired(g.current_owner, [b.block_id for b in ret],
-                                          AcquireKind.ALLOCATE)
+                allocated(owner[0], [b.block_id for b in ret])
             except Exception as exc:
                 errors.record("get_new_blocks", exc)
             return ret
@@ -95,8 +100,7 @@ def install_hooks(g: EngineGuard) -> None:
             blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
             ret = orig(blocks, *args, **kwargs)
             try:
-                ledger.on_blocks_acquired(g.current_owner, [b.block_id for b in blocks],
-                                          AcquireKind.PREFIX_HIT)
+                hit(owner[0], [b.block_id for b in blocks])
             except Exception as exc:
                 errors.record("touch", exc)
             return ret
@@ -108,10 +112,8 @@ def install_hooks(g: EngineGuard) -> None:
                 blocks = blocks if isinstance(blocks, list) else list(blocks)
                 ret = orig(blocks, *args, **kwargs)
                 try:
-                    ledger.on_blocks_released(
-                        g.current_owner,
-                        [b.block_id for b in blocks if getattr(b, "pool", pool) in (pool, None)],
-                    )
+                    freed(owner[0], [b.block_id for b in blocks
+                                     if getattr(b, "pool", pool) in (pool, None)])
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret
@@ -128,9 +130,7 @@ def install_hooks(g: EngineGuard) -> None:
         def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             ret = orig(request, *args, **kwargs)
             try:
-                now = time.time()
-                ledger.on_request_admitted(RequestId(request.request_id), now)
-                g.drain.on_arrival(now)
+                g.on_admitted(RequestId(request.request_id), time.time())
             except Exception as exc:
                 errors.record("add_request", exc)
             return ret
@@ -141,7 +141,7 @@ def install_hooks(g: EngineGuard) -> None:
             rid: RequestId | None = None
             try:
                 rid = RequestId(request.request_id)
-                claim(rid)
+                g.claim(rid)
             except Exception as exc:
                 errors.record("preempt", exc)
             try:
@@ -151,7 +151,7 @@ def install_hooks(g: EngineGuard) -> None:
                 # which would mark it running; preempted is where it ends up.
                 try:
                     if rid is not None:
-                        ledger.on_request_preempted(rid)
+                        g.on_preempted(rid)
                 except Exception as exc:
                     errors.record("preempt", exc)
         return _preempt_request
@@ -161,22 +161,17 @@ def install_hooks(g: EngineGuard) -> None:
             rid: RequestId | None = None
             try:
                 rid = RequestId(request.request_id)
-                claim(rid)
-                now = time.time()
-                ledger.on_request_finished(rid, finish_reason_of(request), now)
-                g.drain.on_completion(now)
+                g.on_finished(rid, finish_reason_of(request), time.time())
             except Exception as exc:
                 errors.record("finish", exc)
             try:
                 return call_as(rid, orig, request, *args, **kwargs)
             finally:
                 try:
-                    if rid is not None:
-                        requests = getattr(sched, "requests", {})
-                        rec = ledger.record(rid)
-                        if rid in requests and rec is not None and not rec.delayed_free_pending:
-                            ledger.on_delayed_free_started(rid, time.time())
-                    g.drain_pending = True
+                    if rid is not None and vllm.holds_request(rid):
+                        # The KV connector delayed the free: vLLM keeps the request.
+                        g.on_delayed_free_started(rid, time.time())
+                    g.on_release_done()
                 except Exception as exc:
                     errors.record("finish", exc)
         return _free_request
@@ -187,16 +182,16 @@ def install_hooks(g: EngineGuard) -> None:
             n_deferred = 0
             try:
                 rid = RequestId(request.request_id)
-                claim(rid)  # also reached from delayed-free completions: claim here too
-                n_deferred = len(getattr(sched, "deferred_frees", ()))
+                g.claim(rid)  # also reached from delayed-free completions: claim here too
+                n_deferred = vllm.num_deferred_frees()
             except Exception as exc:
                 errors.record("free_request_blocks", exc)
             try:
                 return call_as(rid, orig, request, *args, **kwargs)
             finally:
                 try:
-                    if rid is not None and len(getattr(sched, "deferred_frees", ())) > n_deferred:
-                        ledger.on_deferred_free_started(rid)
+                    if rid is not None and vllm.num_deferred_frees() > n_deferred:
+                        g.on_deferred_free_started(rid)
                 except Exception as exc:
                     errors.record("free_request_blocks", exc)
         return _free_request_blocks
@@ -213,8 +208,8 @@ def install_hooks(g: EngineGuard) -> None:
             finally:
                 try:
                     if rid is not None:
-                        ledger.on_request_freed(rid, time.time())
-                    g.drain_pending = True
+                        g.on_freed(rid, time.time())
+                    g.on_release_done()
                 except Exception as exc:
                     errors.record("free", exc)
         return _free_blocks
@@ -235,10 +230,7 @@ def install_hooks(g: EngineGuard) -> None:
         def schedule(*args: Any, **kwargs: Any) -> Any:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
-            try:
-                g.schedule_seconds = perf_counter() - t0  # the online audit's budget basis
-            except Exception as exc:
-                errors.record("schedule", exc)
+            schedule_seconds[0] = perf_counter() - t0  # the online audit's budget basis
             return ret
         return schedule
 
@@ -247,7 +239,7 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             try:
-                g.on_step_end(step_seconds=g.schedule_seconds + perf_counter() - t0)
+                g.on_step_end(step_seconds=schedule_seconds[0] + perf_counter() - t0)
             except Exception as exc:
                 errors.record("update_from_output", exc)
             return ret

@@ -36,8 +36,9 @@ def _report(cid: int, engine: str, attributor: Attributor | None, taken_at: floa
 
 
 def _write(run_dir: Path, engine: str, reports: list[CheckpointReport]) -> None:
-    s = EngineState(kvguard_version="0.1.0", engine=engine, epoch="e1", pid=1, started_at=1.0,
-                    updated_at=time.time(), pool=reports[-1].pool, reports=reports)
+    s = EngineState(kvguard_version="0.1.0", engine_kind="vllm", engine=engine, epoch="e1",
+                    pid=1, started_at=1.0, updated_at=time.time(), pool=reports[-1].pool,
+                    reports=reports)
     run_dir.mkdir(parents=True, exist_ok=True)
     state_path(run_dir, engine).write_text(s.model_dump_json())
 

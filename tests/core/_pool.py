@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvguard.core import checkpoint
+from kvguard.core.engine import EngineActivity, EngineIdentity, HoldBound
 from kvguard.core.findings import Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, reconcile
@@ -41,6 +42,7 @@ from kvguard.core.types import (
     FinishReason,
     RequestId,
 )
+from kvguard.vllm_plugin.request_ids import client_request_id
 
 NULL_BLOCK = 0
 NULL_BLOCK_GARBAGE_REFCNT = 7
@@ -142,7 +144,9 @@ class Harness:
         """Like the real vLLM hooks: pool-level acquisitions are claimed only at the
         request's next transition (finish, preempt) or by an audit, not right away."""
         self.pool = RefPool(num_blocks)
-        self.ledger = OwnershipLedger(null_block_ids=(NULL_BLOCK,))
+        # Request ids look like vLLM's (``<client>-<8 hex>``): map them as its adapter does.
+        self.ledger = OwnershipLedger(null_block_ids=(NULL_BLOCK,),
+                                      client_id_of=client_request_id)
         self.reqs: dict[RequestId, Req] = {}
         self.t = 1_700_000_000.0
         self._ids = itertools.count()
@@ -426,3 +430,47 @@ class HarnessPoolAccess:
 
     def num_free(self) -> int:
         return self.h.pool.num_free
+
+
+class RefAdapter:
+    """The reference engine adapter (``kvguard.core.engine.EngineAdapter``) over a ``Harness``.
+
+    What ``VllmAdapter`` is to vLLM: the session reads the reference pool, its block tables
+    and what is in flight through it. Finished requests never linger (no delayed frees).
+    """
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self._pool = HarnessPoolAccess(h)
+
+    @property
+    def identity(self) -> EngineIdentity:
+        return EngineIdentity(kind="reference", version="1", default_name="ref0")
+
+    @property
+    def pool(self) -> HarnessPoolAccess:
+        return self._pool
+
+    def read_pool(self) -> PoolSnapshot:
+        return self.h.pool.snapshot(walk_free_queue=True)
+
+    def request_tables(self) -> dict[str, list[int]]:
+        return {r.rid: list(r.blocks) for r in self.h.live() if r.blocks}
+
+    def activity(self) -> EngineActivity:
+        live = self.h.live()
+        return EngineActivity(running=sum(1 for r in live if r.phase == "running"),
+                              waiting=sum(1 for r in live if r.phase == "waiting"),
+                              deferred_frees=0, unfinished=None)
+
+    def finished_requests(self) -> dict[str, FinishReason]:
+        return {}
+
+    def client_request_id(self, request_id: str) -> str:
+        return client_request_id(request_id)
+
+    def hold_bound(self) -> HoldBound:
+        return HoldBound(30.0, "reference default")
+
+    def faults_enabled(self) -> list[str]:
+        return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvguard.core.findings import Finding, PoolStates, Reconciliation
-from kvguard.core.ledger import OwnershipLedger, client_request_id
+from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.types import (
     AcquireKind,
     BlockState,
@@ -16,6 +16,7 @@ from kvguard.core.types import (
     Verdict,
 )
 from kvguard.core.verdict import decide, describe_finding, skipped_explanation
+from kvguard.vllm_plugin.request_ids import client_request_id
 
 
 # ------------------------------------------------------------ client ids
@@ -40,11 +41,15 @@ def test_client_request_id_strips_only_vllms_eight_hex_suffix(internal: str, cli
 
 
 def test_the_ledger_names_each_request_by_its_client_id() -> None:
-    ledger = OwnershipLedger()
+    ledger = OwnershipLedger(client_id_of=client_request_id)  # as the vLLM adapter builds it
     ledger.on_request_admitted(RequestId("chat-42-0badcafe"), 0.0)
     ledger.on_blocks_acquired(RequestId("late-1-12345678"), [1], AcquireKind.ALLOCATE)
     assert ledger.record(RequestId("chat-42-0badcafe")).client_request_id == "chat-42"
     assert ledger.record(RequestId("late-1-12345678")).client_request_id == "late-1"
+    # The core knows no engine's id shapes: by default the id is the client's.
+    plain = OwnershipLedger()
+    plain.on_request_admitted(RequestId("chat-42-0badcafe"), 0.0)
+    assert plain.record(RequestId("chat-42-0badcafe")).client_request_id == "chat-42-0badcafe"
 
 
 # ------------------------------------------------------------- findings

@@ -26,8 +26,16 @@ from kvguard.core.types import (
 )
 from kvguard.core.verdict import decide
 from kvguard.errors import CorruptStateError
+from kvguard.vllm_plugin.request_ids import client_request_id
 
 NULL_GARBAGE = 5
+
+
+def vllm_ledger() -> OwnershipLedger:
+    """A ledger that maps vLLM-style ids (``a-0000000a``) to client ids, as vLLM's adapter."""
+    return OwnershipLedger(client_id_of=client_request_id)
+
+
 A = RequestId("a-0000000a")
 B = RequestId("b-0000000b")
 NOW = 1_000.0
@@ -65,7 +73,7 @@ def rows(rec) -> list[tuple]:
 
 
 def live(*, rid: RequestId = A, blocks=(1,), ledger: OwnershipLedger | None = None):
-    ledger = ledger or OwnershipLedger()
+    ledger = ledger or vllm_ledger()
     ledger.on_request_admitted(rid, NOW - 10)
     ledger.on_blocks_acquired(rid, list(blocks), AcquireKind.ALLOCATE)
     return ledger
@@ -73,14 +81,14 @@ def live(*, rid: RequestId = A, blocks=(1,), ledger: OwnershipLedger | None = No
 
 # ------------------------------------------------------------------ the rows
 def test_row_ref0_no_owner_hashed_is_cached_without_finding() -> None:
-    rec = audit(snap([0, 0], cached={1}), OwnershipLedger())
+    rec = audit(snap([0, 0], cached={1}), vllm_ledger())
     assert rec.states[BlockState.CACHED] == 1
     assert rec.states[BlockState.FREE] == 1
     assert rec.findings == []
 
 
 def test_row_ref0_no_owner_not_hashed_is_free_without_finding() -> None:
-    rec = audit(snap([0, 0, 0]), OwnershipLedger())
+    rec = audit(snap([0, 0, 0]), vllm_ledger())
     assert rec.states[BlockState.FREE] == 3
     assert rec.findings == []
     assert decide(rec)[0] is Verdict.CLEAN
@@ -178,7 +186,7 @@ def test_a_completed_delayed_free_leaves_nothing_behind() -> None:
 
 
 def test_row_referenced_without_owner_is_an_orphan() -> None:
-    rec = audit(snap([1, 0]), OwnershipLedger())
+    rec = audit(snap([1, 0]), vllm_ledger())
     assert rec.states[BlockState.ORPHANED] == 1
     assert rows(rec) == [(LeakCause.ORPHAN, None, LeakPath.UNKNOWN, 1, [1])]
 
@@ -192,7 +200,7 @@ def test_row_unclaimed_pool_reference_is_an_orphan_on_its_path(
 ) -> None:
     # The pool hook saw the acquisition, no request ever claimed it (a failed
     # admission that did not roll back).
-    ledger = OwnershipLedger()
+    ledger = vllm_ledger()
     ledger.on_blocks_acquired(None, [2], kind)
     rec = audit(snap([0, 1]), ledger)
     assert rec.states[BlockState.ORPHANED] == 1
@@ -200,7 +208,7 @@ def test_row_unclaimed_pool_reference_is_an_orphan_on_its_path(
 
 
 def test_row_unreferenced_block_missing_from_the_free_queue_is_an_unreachable_orphan() -> None:
-    rec = audit(snap([0, 0], in_queue={1}), OwnershipLedger())
+    rec = audit(snap([0, 0], in_queue={1}), vllm_ledger())
     assert rec.states[BlockState.ORPHANED] == 1
     assert rows(rec) == [(LeakCause.ORPHAN, None, LeakPath.UNKNOWN, 1, [2])]
     assert "never be allocated again" in rec.findings[0].detail
@@ -210,7 +218,7 @@ def test_row_unreferenced_block_missing_from_the_free_queue_is_an_unreachable_or
 def test_the_null_block_is_never_counted_whatever_its_ref_count() -> None:
     s = snap([0, 0])
     assert s.capacity == 2 and s.num_blocks == 3
-    rec = audit(s, OwnershipLedger())
+    rec = audit(s, vllm_ledger())
     assert rec.states.capacity == 2
     assert rec.findings == []
     assert rec.num_free_observed == 2
@@ -222,7 +230,7 @@ def test_without_a_free_queue_walk_more_reported_free_than_unreferenced_is_a_dou
 
 
 def test_without_a_free_queue_walk_fewer_reported_free_than_unreferenced_is_an_orphan() -> None:
-    rec = audit(snap([0, 0, 0], walk=False, num_free_reported=1), OwnershipLedger())
+    rec = audit(snap([0, 0, 0], walk=False, num_free_reported=1), vllm_ledger())
     assert rows(rec) == [(LeakCause.ORPHAN, None, LeakPath.UNKNOWN, 2, [])]
 
 
@@ -231,13 +239,13 @@ def test_a_free_count_mismatch_does_not_erase_a_stray_reference_finding() -> Non
 
     Two orphaned blocks, two causes of evidence: both must be in the findings.
     """
-    rec = audit(snap([1, 0, 0], walk=False, num_free_reported=1), OwnershipLedger())
+    rec = audit(snap([1, 0, 0], walk=False, num_free_reported=1), vllm_ledger())
     assert rec.leaked_blocks_by_cause()[LeakCause.ORPHAN] == 2, rec.findings
     assert any(1 in f.block_ids for f in rec.findings), rec.findings
 
 
 def test_a_double_freed_block_is_named_and_counted_once_without_a_free_queue_walk() -> None:
-    ledger = OwnershipLedger()
+    ledger = vllm_ledger()
     ledger.on_blocks_acquired(None, [1], AcquireKind.ALLOCATE)
     ledger.on_blocks_released(None, [1])
     ledger.on_blocks_released(None, [1])  # ref -1, still in the free queue
@@ -272,7 +280,7 @@ def test_a_shared_leaked_block_is_charged_to_every_finished_holder() -> None:
 
 
 def test_findings_carry_the_evidence_kind_of_the_audit() -> None:
-    rec = audit(snap([1]), OwnershipLedger(), evidence=Evidence.ONLINE)
+    rec = audit(snap([1]), vllm_ledger(), evidence=Evidence.ONLINE)
     assert [f.evidence for f in rec.findings] == [Evidence.ONLINE]
 
 
@@ -313,7 +321,7 @@ def test_a_snapshot_with_arrays_of_different_lengths_is_rejected() -> None:
 def test_a_clean_pool_is_saturated_iff_cached_share_reaches_the_threshold(
     capacity: int, cached: int, threshold: float, verdict: Verdict
 ) -> None:
-    rec = audit(snap([0] * capacity, cached=set(range(1, cached + 1))), OwnershipLedger())
+    rec = audit(snap([0] * capacity, cached=set(range(1, cached + 1))), vllm_ledger())
     got, explanation = decide(rec, saturation_ratio=threshold)
     assert got is verdict
     if verdict is Verdict.SATURATED:

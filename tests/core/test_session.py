@@ -1,0 +1,148 @@
+"""The engine-agnostic guard session against the reference adapter (no vLLM).
+
+The reference harness plays the engine and feeds the session's ledger the events
+hooks would; the session reads the reference pool through ``RefAdapter`` (the
+``EngineAdapter`` Protocol) for both audits. Ground truth is the reference pool:
+what the harness leaked on purpose.
+"""
+
+from __future__ import annotations
+
+from _pool import Harness, RefAdapter
+
+from kvguard import EngineAdapter
+from kvguard.config import KvguardConfig
+from kvguard.core.session import GuardSession
+from kvguard.core.state import EngineState
+from kvguard.core.types import Evidence, FinishReason, LeakCause, LeakPath, Verdict
+
+
+class ListSink:
+    """Keeps every offered state (a state file would keep the last)."""
+
+    def __init__(self) -> None:
+        self.states: list[EngineState] = []
+        self.closed = False
+
+    @property
+    def drops(self) -> int:
+        return 0
+
+    def offer(self, state: EngineState) -> None:
+        self.states.append(state)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class AskOnce:
+    def __init__(self) -> None:
+        self.asked = False
+
+    def poll(self) -> bool:
+        asked, self.asked = self.asked, False
+        return asked
+
+
+def _session(h: Harness, **config: object) -> tuple[GuardSession, ListSink]:
+    sink = ListSink()
+    adapter: EngineAdapter = RefAdapter(h)  # the Protocol is all the session needs
+    settings: dict[str, object] = {"publish_interval_seconds": 0.0, "online_audit": False}
+    cfg = KvguardConfig.from_env({}, **(settings | config))
+    s = GuardSession(adapter, cfg, engine="ref0", sink=sink)
+    h.ledger = s.ledger  # the harness feeds the session's ledger, as the hooks do
+    return s, sink
+
+
+def _workload(h: Harness, n: int = 6) -> list:
+    reqs = []
+    for _ in range(n):
+        r = h.admit()
+        h.allocate(r, 3, hash_mask=[True, True, False], attributed=False)
+        reqs.append(r)
+    return reqs
+
+
+def test_a_drained_checkpoint_names_the_leak_and_publishes_it() -> None:
+    h = Harness(64, lazy_claims=True)
+    s, sink = _session(h)
+    reqs = _workload(h)
+    leak = h.skip_free_on_abort(reqs[2])
+    h.drain(attributed=False)
+    s.on_release_done()  # a free happened: the next step end checks for a drain
+    s.on_step_end()
+    r = s.reports[-1]
+    assert r.verdict is Verdict.LEAK and r.drained and r.evidence is Evidence.DRAINED
+    [f] = r.leaks
+    assert (f.cause, f.path, f.request_id) == (LeakCause.FINISHED_REQUEST, LeakPath.ABORT,
+                                               leak.rid)
+    assert f.client_request_id == leak.client_id
+    assert sorted(f.block_ids) == sorted(leak.blocks)  # the reference pool's truth
+    assert r.leaked_blocks == len(set(leak.blocks)) == r.pool.held_by_finished
+    published = sink.states[-1]
+    assert published.latest_report == r and published.engine_kind == "reference"
+    assert published.checkpoints_total == {"leak": 1}
+
+
+def test_a_checkpoint_asked_for_under_load_is_skipped_with_the_reason() -> None:
+    h = Harness(64, lazy_claims=True)
+    sink, asks = ListSink(), AskOnce()
+    cfg = KvguardConfig.from_env({}, publish_interval_seconds=0.0, online_audit=False)
+    s = GuardSession(RefAdapter(h), cfg, engine="ref0", sink=sink, requests=asks)
+    h.ledger = s.ledger
+    _workload(h, 3)
+    asks.asked = True  # the sidecar asks
+    s.on_step_end()  # the poll sees it; the request is served at the next step end
+    s.on_step_end()
+    r = s.reports[-1]
+    assert r.verdict is Verdict.SKIPPED and not r.drained
+    assert r.skip_reason is not None and "running" in r.skip_reason
+
+
+def test_a_hook_error_skips_the_next_checkpoint_and_starts_fresh_records() -> None:
+    h = Harness(64, lazy_claims=True)
+    s, _ = _session(h)
+    _workload(h)
+    s.errors.record("finish", RuntimeError("lost an event"))
+    h.drain(attributed=False)
+    first = s.checkpoint_now()
+    assert first.verdict is Verdict.SKIPPED and "incomplete" in (first.skip_reason or "")
+    assert s.ledger.num_records == 0
+    second = s.checkpoint_now()
+    assert second.verdict in (Verdict.CLEAN, Verdict.SATURATED), second.explanation
+
+
+def test_the_online_audit_finds_the_leak_through_the_adapter_without_a_drain() -> None:
+    h = Harness(64, lazy_claims=True)
+    s, _ = _session(h, online_audit=True, online_budget_fraction=0.5,
+                    online_max_pause_seconds=1.0)
+    reqs = _workload(h)
+    leak = h.skip_free_on_abort(reqs[0])
+    for _ in range(20):  # live requests throughout: never drained
+        s.on_step_end(step_seconds=1.0)
+    online = [r for r in s.reports if r.evidence is Evidence.ONLINE and r.leaks]
+    assert online, [r.verdict for r in s.reports]
+    [f] = online[-1].leaks
+    assert (f.cause, f.request_id, sorted(f.block_ids)) == (
+        LeakCause.FINISHED_REQUEST, leak.rid, sorted(leak.blocks))
+    assert h.live(), "the engine never drained"
+    assert s.state().online is not None and s.state().online.sweeps_total >= 2
+
+
+def test_events_feed_the_ledger_and_the_drain_estimate() -> None:
+    h = Harness(16, lazy_claims=True)
+    s, _ = _session(h)
+
+    rid = h.admit().rid  # the engine knows the request (its table is empty)
+    s.ledger.reset()
+    admits = s.ledger.num_events["admit"]  # event counters survive a reset
+    s.on_admitted(rid, 10.0)
+    s.on_blocks_allocated(rid, [1, 2])
+    s.on_prefix_hit(None, [3])
+    s.on_finished(rid, FinishReason.STOPPED, 11.0)
+    s.on_blocks_freed(rid, [1, 2])
+    s.on_freed(rid, 11.0)
+    assert s.ledger.num_events["admit"] == admits + 1
+    assert s.ledger.unattributed_refs(3) == 1
+    assert s.ledger.record(rid) is None  # finished, holds nothing: compacted
+    assert s.drain_pending

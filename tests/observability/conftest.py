@@ -49,9 +49,11 @@ from kvguard.demo.workload import run_workload
 
 PROMETHEUS_READY_TIMEOUT_S = 15.0
 SIDECAR_READY_TIMEOUT_S = 30.0
-SATURATED_READY_TIMEOUT_S = 300.0
-"""Bound on the saturated engine's start, fill and first checkpoint (two servers share
-two cores while they start)."""
+SERVER_HEALTH_TIMEOUT_S = 300.0
+"""Two servers start at once on two cores, next to whatever else runs: 120 s was too short
+on a loaded machine."""
+SATURATED_READY_TIMEOUT_S = 480.0
+"""Bound on the saturated engine's start, fill and first checkpoint."""
 REQUEST_TIMEOUT_S = 60.0
 
 WARM_UP_WORDS = 120
@@ -113,7 +115,7 @@ def _bring_up_saturated(root: Path, model_dir: Path, stack: ExitStack) -> Satura
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
            "KVGUARD_ENGINE_NAME": SATURATED, "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
     server = ServerProcess(spec, log_path=root / "server.log", env=env,
-                           health_timeout_seconds=240.0)
+                           health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S)
     stack.callback(server.stop)
     server.start()
     model = spec.served_model_name
@@ -185,7 +187,8 @@ def leaking_engine(tmp_path_factory: pytest.TempPathFactory,
            "KVGUARD_ENGINE_NAME": "dp0", "KVGUARD_ALLOW_FAULTS": "1",
            "KVGUARD_FAULTS": "refcount_bump=1,skip_free_on_abort=1",
            "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
-    with ServerProcess(spec, log_path=root / "server.log", env=env) as server:
+    with ServerProcess(spec, log_path=root / "server.log", env=env,
+                       health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S) as server:
         warm_up(server.base_url, spec.served_model_name)
         run_workload(server.base_url, spec.served_model_name, shared_prefix_streams=8,
                      disconnecting_streams=4)

@@ -139,7 +139,8 @@ class Leak:
 class Harness:
     """The engine: changes the reference pool and feeds the ledger the hook events."""
 
-    def __init__(self, num_blocks: int, *, lazy_claims: bool = False) -> None:
+    def __init__(self, num_blocks: int, *, lazy_claims: bool = False,
+                 clock_start: float = 1_700_000_000.0) -> None:
         self.lazy_claims = lazy_claims
         """Like the real vLLM hooks: pool-level acquisitions are claimed only at the
         request's next transition (finish, preempt) or by an audit, not right away."""
@@ -148,7 +149,8 @@ class Harness:
         self.ledger = OwnershipLedger(null_block_ids=(NULL_BLOCK,),
                                       client_id_of=client_request_id)
         self.reqs: dict[RequestId, Req] = {}
-        self.t = 1_700_000_000.0
+        self.t = clock_start
+        """Unix time in seconds; every operation advances it (``tick``)."""
         self._ids = itertools.count()
         self.leaks: list[Leak] = []
         self.bumps: Counter[int] = Counter()

@@ -1,81 +1,178 @@
-"""Fixtures for the observability tests: a metrics target and a real Prometheus scraping it.
+"""Fixtures for the observability tests: two real engines and a real Prometheus scraping them.
 
-``metrics_target`` is the only place that decides what Prometheus scrapes: the real
-``kvguard sidecar`` in front of a real vLLM OpenAI server with an injected leak.
-``static_metrics_target`` serves ``leak_exposition.txt`` (engine dp0 with an abort-path
-leak, engine dp1 saturated but clean) for tests of the exposition format itself.
+``leaking_engine`` and ``saturated_engine`` are the only places that decide what Prometheus
+scrapes. Each is a real vLLM OpenAI server with kvguard in its EngineCore and the real
+``kvguard sidecar`` in front of its run dir:
+
+* ``dp0`` leaks: kvguard's opt-in fault injection keeps blocks referenced after the
+  requests are gone;
+* ``sat`` is healthy and saturated: no fault, its prefix cache filled with the full blocks
+  of distinct prompts, which stay cached (ref count 0, evictable) after every request ended.
+
+The two servers start at the same time (the saturated one in a background thread) so the
+module pays for one server start, not two. Ground truth comes from vLLM itself: each
+server's own ``/metrics`` (``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_hits``,
+``vllm:cache_config_info``), never from kvguard's counters.
 """
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from _obs_contract import RULES, PrometheusServer, prometheus_binary
+from _observed import (
+    LEAKING,
+    SATURATED,
+    ObservedEngine,
+    SaturatedEngine,
+    vllm_capacity_blocks,
+    vllm_value,
+)
 
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.demo.tiny_model import WORDS, make_tiny_model
 from kvguard.demo.workload import run_workload
 
-EXPOSITION = Path(__file__).with_name("leak_exposition.txt")
-_NOW = re.compile(r"__NOW(?:_MINUS_(\d+))?__")
-
 PROMETHEUS_READY_TIMEOUT_S = 15.0
+SIDECAR_READY_TIMEOUT_S = 30.0
+SERVER_HEALTH_TIMEOUT_S = 300.0
+"""Two servers start at once on two cores, next to whatever else runs: 120 s was too short
+on a loaded machine."""
+SATURATED_READY_TIMEOUT_S = 480.0
+"""Bound on the saturated engine's start, fill and first checkpoint."""
+REQUEST_TIMEOUT_S = 60.0
+
+WARM_UP_WORDS = 120
+"""The first request a server gets: vLLM's CPU worker dies with SIGILL when the first
+request after start has a very short prompt."""
+FILL_PROMPTS = 6
+FILL_PROMPT_WORDS = 297
+"""298 tokens with ``<s>``: 9 full 32-token blocks and a partial one, so 6 prompts leave
+54 of the 63 usable blocks cached (86 %, above the 80 % saturation threshold)."""
+FILL_MAX_TOKENS = 4
+"""Output stays inside each prompt's partial last block: only prompt blocks get cached."""
 
 
-def render_exposition(now: float | None = None) -> str:
-    """The fixture exposition with ``__NOW__`` / ``__NOW_MINUS_<s>__`` set to the clock."""
-    t = time.time() if now is None else now
-    return _NOW.sub(lambda m: f"{t - int(m.group(1) or 0):.3f}", EXPOSITION.read_text())
+def _complete(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0}
+    with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
+        client.post("/v1/completions", json=body).raise_for_status()
 
 
-class _ExpositionHandler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            self.send_error(404)
-            return
-        body = render_exposition().encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+def _prompt(seed: int, n: int) -> str:
+    return " ".join(WORDS[(seed * 37 + i * 7) % len(WORDS)] for i in range(n))
 
 
-@pytest.fixture(scope="session")
-def static_metrics_target() -> Iterator[str]:
-    """URL of a /metrics endpoint serving ``leak_exposition.txt`` (two engines, one leaking)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _ExpositionHandler)
-    thread = threading.Thread(target=server.serve_forever, name="leak-exposition", daemon=True)
-    thread.start()
+def warm_up(base_url: str, model: str) -> None:
+    """One long request first (SIGILL otherwise, see ``WARM_UP_WORDS``)."""
+    _complete(base_url, model, _prompt(0, WARM_UP_WORDS), 8)
+
+
+@contextmanager
+def _sidecar(run_dir: Path, engines: int) -> Iterator[str]:
+    """The real ``kvguard sidecar`` on ``run_dir`` (its own process); yields its /metrics URL
+    once it serves ``engines`` engines."""
+    port = _free_port()
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "kvguard.cli.main", "sidecar", "--host", "127.0.0.1",
+         "--port", str(port), "--run-dir", str(run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        deadline = time.monotonic() + SIDECAR_READY_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/healthz", timeout=2) as resp:
+                    if f'"engines":{engines}'.encode() in resp.read():
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the sidecar did not come up"
+            time.sleep(0.2)
+        yield base + "/metrics"
     finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+        _stop(sidecar)
+
+
+def _bring_up_saturated(root: Path, model_dir: Path, stack: ExitStack) -> SaturatedEngine:
+    run_dir = root / "run"
+    spec = EngineSpec(model_dir=model_dir, max_num_seqs=8)
+    env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
+           "KVGUARD_ENGINE_NAME": SATURATED, "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
+    server = ServerProcess(spec, log_path=root / "server.log", env=env,
+                           health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S)
+    stack.callback(server.stop)
+    server.start()
+    model = spec.served_model_name
+    prompts = [_prompt(100 + i, FILL_PROMPT_WORDS) for i in range(FILL_PROMPTS)]
+    # One at a time: the first request is a long one (warm-up), and no prompt's blocks
+    # are evicted by another's while it runs.
+    for p in prompts:
+        _complete(server.base_url, model, p, FILL_MAX_TOKENS)
+    hits_before = vllm_value(server.base_url, "vllm:prefix_cache_hits_total")
+    again = time.time()
+    for p in prompts:
+        _complete(server.base_url, model, p, FILL_MAX_TOKENS)
+    state = wait_for_checkpoint(run_dir, after=again, engine=SATURATED)
+    assert state.latest_report is not None and state.latest_report.verdict.value == \
+        "saturated", state.latest_report
+    hits = vllm_value(server.base_url, "vllm:prefix_cache_hits_total") - hits_before
+    block_size = spec.block_size
+    assert hits > 0 and hits % block_size == 0, hits
+    capacity = vllm_capacity_blocks(server.base_url)
+    cached = int(hits) // block_size
+    assert cached >= 0.8 * capacity, f"only {cached} of {capacity} blocks cached: not saturated"
+    assert vllm_value(server.base_url, "vllm:kv_cache_usage_perc") == 0.0
+    metrics_url = stack.enter_context(_sidecar(run_dir, engines=1))
+    return SaturatedEngine(name=SATURATED, vllm_url=server.base_url,
+                           sidecar_metrics_url=metrics_url, run_dir=run_dir,
+                           cached_blocks_truth=cached)
 
 
 @pytest.fixture(scope="session")
-def metrics_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The real sidecar's /metrics, in front of a real vLLM server that leaked KV blocks.
+def saturated_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+    Future[SaturatedEngine]
+]:
+    """The saturated engine, coming up in a background thread (see ``saturated_engine``)."""
+    root = tmp_path_factory.mktemp("observability-saturated")
+    # In this thread: importing transformers from two threads at once fails.
+    model_dir = make_tiny_model(root / "model")
+    with ExitStack() as stack, ThreadPoolExecutor(1, "saturated-engine") as pool:
+        future = pool.submit(_bring_up_saturated, root, model_dir, stack)
+        try:
+            yield future
+        finally:
+            future.exception(timeout=SATURATED_READY_TIMEOUT_S)  # then stop what it started
+
+
+@pytest.fixture(scope="session")
+def saturated_engine(saturated_start: Future[SaturatedEngine]) -> SaturatedEngine:
+    """A healthy engine with a saturated prefix cache, judged ``saturated`` at a drained
+    checkpoint; ``cached_blocks_truth`` is vLLM's own count of its cached blocks."""
+    return saturated_start.result(timeout=SATURATED_READY_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session")
+def leaking_engine(tmp_path_factory: pytest.TempPathFactory,
+                   saturated_start: Future[SaturatedEngine]) -> Iterator[ObservedEngine]:
+    """The real sidecar in front of a real vLLM server that leaked KV blocks (``dp0``);
+    ``saturated_start`` only makes the saturated server start beside this one.
 
     The server runs with the chaos scheduler's opt-in faults (in vLLM's own paths):
     ``refcount_bump=1`` (the first finishing request's last block keeps a reference nobody
@@ -93,33 +190,37 @@ def metrics_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
            "KVGUARD_ENGINE_NAME": "dp0", "KVGUARD_ALLOW_FAULTS": "1",
            "KVGUARD_FAULTS": "refcount_bump=1,skip_free_on_abort=1",
            "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
-    with ServerProcess(spec, log_path=root / "server.log", env=env) as server:
+    with ServerProcess(spec, log_path=root / "server.log", env=env,
+                       health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S) as server:
+        warm_up(server.base_url, spec.served_model_name)
         run_workload(server.base_url, spec.served_model_name, shared_prefix_streams=8,
                      disconnecting_streams=4)
-        state = wait_for_checkpoint(run_dir, after=time.time() - 5.0, engine="dp0")
+        # One more request to its end: vLLM publishes its pool usage after each step, and
+        # an abort frees outside a step; the engine drains again after this one.
+        settle = time.time()
+        warm_up(server.base_url, spec.served_model_name)
+        state = wait_for_checkpoint(run_dir, after=settle, engine=LEAKING)
         assert state.latest_report is not None and state.latest_report.verdict.value == "leak"
         assert state.online is not None and state.online.sweeps_total >= 2, state.online
-        port = _free_port()
-        sidecar = subprocess.Popen(
-            [sys.executable, "-m", "kvguard.cli.main", "sidecar", "--host", "127.0.0.1",
-             "--port", str(port), "--run-dir", str(run_dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    with urllib.request.urlopen(base + "/healthz", timeout=2) as resp:
-                        if b'"engines":1' in resp.read():
-                            break
-                except OSError:
-                    pass
-                assert time.monotonic() < deadline, "the sidecar did not come up"
-                time.sleep(0.2)
-            yield base + "/metrics"
-        finally:
-            sidecar.terminate()
-            sidecar.wait(timeout=10)
+        with _sidecar(run_dir, engines=1) as metrics_url:
+            yield ObservedEngine(name=LEAKING, vllm_url=server.base_url,
+                                 sidecar_metrics_url=metrics_url, run_dir=run_dir)
+
+
+@pytest.fixture(scope="session")
+def metrics_target(leaking_engine: ObservedEngine) -> str:
+    """The leaking engine's sidecar /metrics (the target whose contract is checked)."""
+    return leaking_engine.sidecar_metrics_url
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if the process is still there after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
 
 
 def _free_port() -> int:
@@ -129,22 +230,23 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def prometheus(metrics_target: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-    PrometheusServer
-]:
-    """A real Prometheus (Debian 2.42) scraping ``metrics_target`` every second, with the
+def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
+    """A real Prometheus (Debian 2.42) scraping both sidecars every second, with the
     kvguard alert rules loaded and evaluated every second."""
     binary = prometheus_binary()
     work = tmp_path_factory.mktemp("prometheus")
-    target = urllib.parse.urlsplit(metrics_target)
+    targets = [urllib.parse.urlsplit(e.sidecar_metrics_url)
+               for e in (leaking_engine, saturated_engine)]
+    assert {t.path for t in targets} == {"/metrics"}, targets
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
         "scrape_configs": [{
             "job_name": "kvguard",
-            "scheme": target.scheme,
-            "metrics_path": target.path or "/metrics",
-            "static_configs": [{"targets": [target.netloc]}],
+            "scheme": "http",
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [t.netloc for t in targets]}],
         }],
     }
     config_file = work / "prometheus.yml"
@@ -175,9 +277,4 @@ def prometheus(metrics_target: str, tmp_path_factory: pytest.TempPathFactory) ->
             time.sleep(0.2)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
+        _stop(proc)

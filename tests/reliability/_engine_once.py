@@ -1,7 +1,9 @@
 """One engine process: a real in-process engine with kvguard runs one round and exits.
 
 ``python _engine_once.py MODEL_DIR``; kvguard is configured by the ``KVGUARD_*``
-environment. Prints ``{"epoch": ..., "checkpoints": N, "verdict": ...}``.
+environment. Prints ``{"epoch": ..., "checkpoints": N, "verdict": ..., "held_blocks": N}``,
+``held_blocks`` being vLLM's own count of referenced blocks at the end (ground truth: the
+round ends drained, so each of them is lost).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ if __name__ == "__main__":
     g = engine.g
     g.publish()
     assert g.publisher.flush(30.0)
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    held = sum(1 for b in pool.blocks if not b.is_null and b.ref_cnt > 0)
     print(json.dumps({"epoch": g.epoch, "checkpoints": len(g.reports),
-                      "verdict": g.reports[-1].verdict.value}), flush=True)
+                      "verdict": g.reports[-1].verdict.value, "held_blocks": held}), flush=True)
     os._exit(0)  # an engine process that ends; nothing else to shut down

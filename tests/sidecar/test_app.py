@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from factories import report, state, write
+from factories import judged, report, state, write
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -49,18 +49,29 @@ def test_sidecar_started_before_any_engine_serves_empty_answers(tmp_path: Path) 
 
 
 def test_metrics_follow_the_contract_with_types_and_no_request_labels(tmp_path: Path) -> None:
-    write(tmp_path, state([report(1), report(2, holding=2)]))
+    latest = judged(2, holding=2)
+    write(tmp_path, state([report(1), latest.report]))
     with _client(tmp_path) as c:
         m = _metrics(c)
     for name, typ in CONTRACT.items():
         sample = name + "_total" if typ == "counter" else name
         assert sample in m, name
         assert all(t == typ for _, _, t in m[sample])
+    # Ground truth from the reference pool, not from the report: referenced blocks are the
+    # leaked ones (nothing is live at a drained checkpoint), the rest free or cached.
+    pool = latest.harness.pool
+    referenced = sum(1 for b in range(1, pool.num_blocks) if pool.ref[b] > 0)
+    free, cached = pool.count_states_truth()
+    assert referenced == len({b for lk in latest.leaks for b in lk.blocks}) > 0
     states = {lbl["state"]: v for lbl, v, _ in m["kvguard_pool_blocks"]}
-    assert sum(states.values()) == 63 and states["held_by_finished"] == 4
+    assert states == {"free": free, "cached": cached, "active": 0,
+                      "held_by_finished": referenced, "orphaned": 0}
+    assert sum(states.values()) == pool.capacity
     leaked = {lbl["cause"]: v for lbl, v, _ in m["kvguard_leaked_blocks"]}
-    assert leaked == {"finished_request": 4.0, "orphan": 0.0, "refcount_drift": 0.0,
+    assert leaked == {"finished_request": referenced, "orphan": 0.0, "refcount_drift": 0.0,
                       "double_free": 0.0}
+    [(_, holding, _)] = m["kvguard_finished_requests_holding_blocks"]
+    assert holding == len(latest.leaks)
     for samples in m.values():
         for labels, _, _ in samples:
             assert not {"request_id", "request", "client_request_id"} & labels.keys()

@@ -16,13 +16,13 @@ from kvguard.chaos.scenarios import matrix
 CPU_UNSUPPORTED = {"offload_connector"}
 
 
-@pytest.mark.timeout(1800)  # 25 scenarios, each a fresh engine (about 10 min when loaded)
+@pytest.mark.timeout(3700)  # 23 scenarios, a fresh engine each: 30 min seen on a loaded host
 def test_every_injected_leak_is_caught_and_no_healthy_scenario_alarms(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvguard.cli.main", "chaos", "--json", str(out),
          "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=1800, check=False)
+        capture_output=True, text=True, timeout=3600, check=False)
     print(proc.stdout)
     results = [ScenarioResult.model_validate(r) for r in json.loads(out.read_text())]
     assert [r.name for r in results] == [s.name for s in matrix()]

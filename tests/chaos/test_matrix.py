@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvguard.chaos.result import ScenarioResult, Status
 from kvguard.chaos.scenarios import matrix
 
@@ -14,12 +16,13 @@ from kvguard.chaos.scenarios import matrix
 CPU_UNSUPPORTED = {"offload_connector"}
 
 
+@pytest.mark.timeout(3700)  # 23 scenarios, a fresh engine each: 30 min seen on a loaded host
 def test_every_injected_leak_is_caught_and_no_healthy_scenario_alarms(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvguard.cli.main", "chaos", "--json", str(out),
          "--workdir", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=1800, check=False)
+        capture_output=True, text=True, timeout=3600, check=False)
     print(proc.stdout)
     results = [ScenarioResult.model_validate(r) for r in json.loads(out.read_text())]
     assert [r.name for r in results] == [s.name for s in matrix()]
@@ -30,6 +33,8 @@ def test_every_injected_leak_is_caught_and_no_healthy_scenario_alarms(tmp_path: 
         else:
             assert r.status is Status.PASSED, f"{r.name}: {r.why}\n{proc.stdout}"
     faults = [s for s in matrix() if s.leak is not None]
-    assert len(faults) == 4 and all(by_status[s.name] is Status.PASSED for s in faults)
+    assert len(faults) == 9 and all(by_status[s.name] is Status.PASSED for s in faults)
+    # Every fault is injected in vLLM's code paths (the chaos scheduler), not by kvguard.
+    assert all(s.faults for s in faults if s.name != "fault_transfer_never_completes")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "leak: finished_request/abort victim-skip" in proc.stdout

@@ -17,6 +17,7 @@ from kvguard.chaos.faults import Fault
 from kvguard.chaos.harness import EngineHarness
 from kvguard.chaos.result import Status
 from kvguard.chaos.runner import build_for, fault_victims, scenarios_for, score, scored_report
+from kvguard.chaos.scenarios import NotExercised
 from kvguard.core.types import LeakCause, LeakPath
 
 # fault scenario -> (cause, path or None when no hook can know it, names the victim)
@@ -78,4 +79,19 @@ def test_each_fault_in_vllms_path_is_caught_with_the_pools_block_ids(
     assert score(s, report, truth, fault_victims(h)) == (Status.PASSED, "")
     if fault is Fault.DEFERRED_FREE_NEVER_RELEASED:
         assert len(h.scheduler.deferred_frees) == 1  # still parked after the drain
+    h.guard.close()
+
+
+@pytest.mark.parametrize("name", ["abort_final_step", "abort_long_prefill"])
+def test_a_scenario_whose_abort_never_reached_vllm_is_not_passed_as_clean(
+    name: str, chaos_models: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lost abort leaves a clean pool: the scenario must say its path did not happen."""
+    model, scenarios = scenarios_for(chaos_models)
+    s = scenarios[name]
+    h = build_for(s, model)
+    monkeypatch.setattr(h, "abort", lambda *ids: None)  # the abort is lost on the way
+    with pytest.raises(NotExercised, match="did not reach the engine"):
+        s.drive(h)
+    assert not h.pool_truth().wrong_blocks  # what a detector would have called "clean"
     h.guard.close()

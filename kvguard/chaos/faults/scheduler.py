@@ -32,6 +32,10 @@ from kvguard.chaos.faults.plan import Fault, FaultPlan
 
 log = logging.getLogger("kvguard.faults")
 
+MAX_FINISHED_RECORDED = 100_000
+"""Finish statuses kept per request (oldest dropped first); the counts stay exact."""
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -39,8 +43,9 @@ def _cdiv(a: int, b: int) -> int:
 class ChaosScheduler(Scheduler):
     """vLLM's scheduler, plus opt-in faults and a record of what vLLM did.
 
-    ``finished`` maps each finished request (engine-internal id) to vLLM's own
-    ``RequestStatus`` name at its free; ``preemptions`` counts ``_preempt_request`` calls.
+    ``finished`` maps each finished request (engine-internal id, the latest
+    :data:`MAX_FINISHED_RECORDED`) to vLLM's own ``RequestStatus`` name at its free;
+    ``finish_statuses`` counts them all; ``preemptions`` counts ``_preempt_request`` calls.
     Both are filled whether or not a fault is armed.
     """
 
@@ -87,6 +92,8 @@ class ChaosScheduler(Scheduler):
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         rid = str(request.request_id)
         self.finished[rid] = request.status.name
+        if len(self.finished) > MAX_FINISHED_RECORDED:  # a staging server runs for long
+            del self.finished[next(iter(self.finished))]
         self.finish_statuses[request.status.name] += 1
         if self.faults.armed(Fault.REFCOUNT_BUMP):
             # A reference taken behind every hook (a copy-on-write pair or a connector

@@ -143,17 +143,26 @@ def _saturation(h: EngineHarness) -> str:
     return f"{r.pool.cached if r.pool else 0}/{h.num_usable()} blocks cached"
 
 
-def _spec_decode(h: EngineHarness) -> str:
-    for i in range(4):
-        h.add(prompt(700 + i, 40), max_tokens=40)
-    h.run_to_completion()
-    h.drain_scheduler()
+def _spec_decode_counts(h: EngineHarness) -> tuple[int, int]:
+    """vLLM's own (draft, accepted) token counters, summed over this process's engines."""
     drafts = accepted = 0
     for m in h.engine.get_metrics():
         if m.name == "vllm:spec_decode_num_draft_tokens":
             drafts += int(getattr(m, "value", 0))
         elif m.name == "vllm:spec_decode_num_accepted_tokens":
             accepted += int(getattr(m, "value", 0))
+    return drafts, accepted
+
+
+def _spec_decode(h: EngineHarness) -> str:
+    # Only this scenario's drafts count, not the engine's warm-up request's.
+    drafts_before, accepted_before = _spec_decode_counts(h)
+    for i in range(4):
+        h.add(prompt(700 + i, 40), max_tokens=40)
+    h.run_to_completion()
+    h.drain_scheduler()
+    drafts, accepted = _spec_decode_counts(h)
+    drafts, accepted = drafts - drafts_before, accepted - accepted_before
     if drafts == 0 or accepted >= drafts:
         raise NotExercised(f"no rejected drafts ({accepted}/{drafts} accepted)")
     return f"{drafts - accepted} of {drafts} draft tokens rejected"

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from _reliability import (
+    WAIT_SECONDS,
     EngineFactory,
     Outputs,
     Sidecar,
@@ -82,7 +83,7 @@ def test_a_killed_sidecar_restarts_and_resynchronises_to_the_engines_ground_trut
     sidecar = Sidecar(run_dir, tmp_path / "sidecar.log").start()
     try:
         sidecar.wait_healthy()
-        wait_for(lambda: sidecar.get("/healthz").json()["engines_up"] == 1, 20, "engine up")
+        sidecar.wait_engine_up(g)
         assert e.mixed_round() == baseline_outputs
 
         def kill_and_restart(step: int) -> None:
@@ -94,7 +95,7 @@ def test_a_killed_sidecar_restarts_and_resynchronises_to_the_engines_ground_trut
         assert e.mixed_round(kill_and_restart) == baseline_outputs  # the engine never noticed
         assert e.mixed_round() == baseline_outputs  # the next drained checkpoint
         g.publish()
-        assert g.publisher.flush(10.0)
+        assert g.publisher.flush(WAIT_SECONDS)
         sidecar.wait_healthy()
         truth = _ground_truth(g)
 
@@ -103,7 +104,7 @@ def test_a_killed_sidecar_restarts_and_resynchronises_to_the_engines_ground_trut
             return bool(checkpoints["checkpoints"]) and \
                 checkpoints["checkpoints"][-1]["checkpoint_id"] == g.reports[-1].checkpoint_id
 
-        wait_for(synced, 20, "restarted sidecar resynchronised")
+        wait_for(synced, what="restarted sidecar resynchronised")
         view = _sidecar_view(sidecar.get("/metrics").text,
                              sidecar.get("/v1/checkpoints", engine="rel-sync")
                              .json()["checkpoints"],
@@ -158,7 +159,7 @@ def test_an_engine_restart_is_a_new_epoch_and_never_mixed_with_the_old_one(
     assert new != old
     [warmup] = e.g.reports
     assert warmup.verdict is not Verdict.LEAK
-    assert e.g.publisher.flush(10.0)  # its state after the warm-up is on disk
+    assert e.g.publisher.flush(WAIT_SECONDS)  # its state after the warm-up is on disk
     store.refresh()
     m = metrics()
     # The old epoch's series are gone; nothing of it is carried into the new one: every
@@ -179,7 +180,7 @@ def test_an_engine_restart_is_a_new_epoch_and_never_mixed_with_the_old_one(
 
     assert e.mixed_round() == baseline_outputs
     e.g.publish()
-    assert e.g.publisher.flush(10.0)
+    assert e.g.publisher.flush(WAIT_SECONDS)
     store.refresh()
     m = metrics()
     assert [lbl["epoch"] for lbl, _ in m["kvguard_engine_info"]] == [new]
@@ -203,6 +204,6 @@ def test_an_engine_restart_is_a_new_epoch_and_never_mixed_with_the_old_one(
     assert "out of order" in store.read_errors["phoenix.json"]
     assert store.num_read_errors == errors + 1 and store.engines["phoenix"].state.epoch == new
     e.g.publish()
-    assert e.g.publisher.flush(10.0)
+    assert e.g.publisher.flush(WAIT_SECONDS)
     store.refresh()
     assert "phoenix.json" not in store.read_errors

@@ -3,12 +3,44 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
+
+from kvguard.config import default_run_dir
 
 # Keep EngineCore in this process so tests can reach the real scheduler and pool.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_PLUGINS", "kvguard")
+
+# kvguard's default run dir ($XDG_RUNTIME_DIR/kvguard, else /tmp/kvguard) is shared by
+# every kvguard on the host: a test writing there reads other runs' engines and leaves its
+# own behind. Point the default at a directory of this session only (servers and chaos
+# workers inherit it), start without an inherited KVGUARD_RUN_DIR, and fail any test after
+# which something is found there (_no_test_writes_to_the_default_run_dir).
+_SESSION_XDG = tempfile.mkdtemp(prefix="kvguard-tests-xdg-")
+os.environ["XDG_RUNTIME_DIR"] = _SESSION_XDG
+os.environ.pop("KVGUARD_RUN_DIR", None)
+DEFAULT_RUN_DIR = default_run_dir()
+
+
+@pytest.fixture(autouse=True)
+def _no_test_writes_to_the_default_run_dir(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test (and fixture) gives kvguard a run dir of its own (``KVGUARD_RUN_DIR``)."""
+    yield
+    found = sorted(p.name for p in DEFAULT_RUN_DIR.iterdir()) if DEFAULT_RUN_DIR.is_dir() else []
+    if found:
+        shutil.rmtree(DEFAULT_RUN_DIR, ignore_errors=True)  # the next test is judged alone
+        pytest.fail(f"{request.node.nodeid}, or a fixture it uses, let kvguard write {found} "
+                    f"to its default run dir ({DEFAULT_RUN_DIR}): give the engine or server a "
+                    "run dir of its own, e.g. KVGUARD_RUN_DIR=<tmp_path>/run in its "
+                    "environment", pytrace=False)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SESSION_XDG, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

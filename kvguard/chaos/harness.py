@@ -7,6 +7,7 @@ text, so nothing a scenario sends can end up in a report.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,13 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 class EngineHarness:
-    """One engine, its scheduler, its block pool and the kvguard guard on it."""
+    """One engine, its scheduler, its block pool and the kvguard guard on it.
+
+    :func:`~kvguard.demo.engine.build_engine` has run its warm-up request (a long
+    first prompt, see :mod:`kvguard.demo.warmup`), so the guard already holds the
+    drained checkpoint it took then; :meth:`reports` and everything built on it
+    start after that one.
+    """
 
     def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
@@ -57,6 +64,10 @@ class EngineHarness:
                                "'kvguard'?")
         self.guard: EngineGuard = guard
         self.pool: Any = self.scheduler.kv_cache_manager.block_pool
+        self.warmup_checkpoint_id = max((r.checkpoint_id for r in guard.reports), default=0)
+        """The last checkpoint id taken during the engine's warm-up (0: none)."""
+        self.warmup_events = Counter(guard.ledger.num_events)
+        """The ledger's lifecycle event counts after the warm-up (see :meth:`events`)."""
         self._n = 0
 
     def add(self, tokens: list[int], max_tokens: int, rid: str | None = None) -> str:
@@ -87,8 +98,12 @@ class EngineHarness:
             self.engine.step()
 
     def step_until(self, cond: Callable[[], bool], max_steps: int = 5000,
-                   max_seconds: float = 60.0, pause_seconds: float = 0.0) -> int:
-        """Step until ``cond()``; ``pause_seconds`` between steps when waiting on a clock."""
+                   max_seconds: float = 600.0, pause_seconds: float = 0.0) -> int:
+        """Step until ``cond()``; ``pause_seconds`` between steps when waiting on a clock.
+
+        ``max_steps`` and ``max_seconds`` only bound a failure: the wall-clock one is
+        generous, for a loaded host where one step can take a large part of a second.
+        """
         deadline = time.monotonic() + max_seconds
         for i in range(max_steps):
             if cond():
@@ -106,14 +121,25 @@ class EngineHarness:
         return self.step_until(lambda: not self.engine.has_unfinished_requests(), max_steps,
                                max_seconds=max_seconds)
 
-    def drain_scheduler(self, max_seconds: float = 30.0) -> None:
+    def drain_scheduler(self, max_seconds: float = 600.0) -> None:
         """Step until the scheduler holds no request at all (delayed frees included)."""
         self.step_until(lambda: not self.scheduler.requests and not self.scheduler.running
                         and not len(self.scheduler.waiting), max_seconds=max_seconds)
 
+    def events(self) -> Counter[str]:
+        """The ledger's lifecycle event counts since the engine's warm-up."""
+        since = Counter(self.guard.ledger.num_events)
+        since.subtract(self.warmup_events)
+        return +since
+
+    def reports(self) -> list[CheckpointReport]:
+        """The guard's reports (drained and online) since the engine's warm-up, oldest first."""
+        return [r for r in self.guard.reports if r.checkpoint_id > self.warmup_checkpoint_id]
+
     def latest_drained(self) -> CheckpointReport | None:
-        """The latest drained checkpoint (taken or skipped), if any; online reports are not."""
-        for r in reversed(self.guard.reports):
+        """The latest drained checkpoint (taken or skipped) since the warm-up, if any; online
+        reports are not."""
+        for r in reversed(self.reports()):
             if r.evidence is Evidence.DRAINED:
                 return r
         return None
@@ -127,7 +153,7 @@ class EngineHarness:
 
     def online_reports(self) -> list[CheckpointReport]:
         """Reports of the online audit, oldest first."""
-        return [r for r in self.guard.reports if r.evidence is Evidence.ONLINE]
+        return [r for r in self.reports() if r.evidence is Evidence.ONLINE]
 
     def num_usable(self) -> int:
         return int(self.pool.num_gpu_blocks) - 1

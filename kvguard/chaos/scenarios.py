@@ -165,16 +165,24 @@ def _saturation(h: EngineHarness) -> str:
 
 
 def _spec_decode(h: EngineHarness) -> str:
+    # Only this scenario's drafts count, not the engine's warm-up request's.
+    before = _spec_decode_counts(h)
     for i in range(4):
         h.add(prompt(700 + i, 40), max_tokens=40)
     h.run_to_completion()
     h.drain_scheduler()
-    return _require_rejections(h)
+    return _require_rejections(h, before)
 
 
-def _require_rejections(h: EngineHarness) -> str:
-    drafts = int(h.vllm_metric("vllm:spec_decode_num_draft_tokens"))
-    accepted = int(h.vllm_metric("vllm:spec_decode_num_accepted_tokens"))
+def _spec_decode_counts(h: EngineHarness) -> tuple[int, int]:
+    """vLLM's own (draft, accepted) token counters."""
+    return (int(h.vllm_metric("vllm:spec_decode_num_draft_tokens")),
+            int(h.vllm_metric("vllm:spec_decode_num_accepted_tokens")))
+
+
+def _require_rejections(h: EngineHarness, before: tuple[int, int] = (0, 0)) -> str:
+    drafts, accepted = _spec_decode_counts(h)
+    drafts, accepted = drafts - before[0], accepted - before[1]
     if drafts == 0 or accepted >= drafts:
         raise NotExercised(f"vLLM rejected no draft ({accepted}/{drafts} accepted)")
     return f"{drafts - accepted} of {drafts} draft tokens rejected"
@@ -287,13 +295,14 @@ def _preemption_skips_free(h: EngineHarness) -> str:
 def _spec_rollback_keeps_blocks(h: EngineHarness) -> str:
     # Prompt + output end just short of a block boundary, so the last step's lookahead
     # (3 draft tokens) reaches into a block that no computed token uses.
+    before = _spec_decode_counts(h)  # not the warm-up request's drafts
     for i in range(8):
         h.add(prompt(1500 + i, 40), max_tokens=21 + i % 3)
         h.run_to_completion()
         if h.chaos.faults.times_fired(Fault.SPEC_ROLLBACK_KEEPS_BLOCKS):
             break
     h.drain_scheduler()
-    rejected = _require_rejections(h)
+    rejected = _require_rejections(h, before)
     _require_fired(h, Fault.SPEC_ROLLBACK_KEEPS_BLOCKS)
     return rejected + "; one finished request kept its rejected-draft blocks"
 

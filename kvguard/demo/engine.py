@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
+from kvguard.demo.warmup import WarmupError, warm_up_engine, warm_up_server
 from kvguard.errors import ConfigError, KvguardError
 
 if TYPE_CHECKING:
@@ -133,8 +134,9 @@ def build_engine(spec: EngineSpec) -> LLMEngine:
 
     Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in ``os.environ`` for the rest of
     the process (vLLM caches its environment once an engine is up). Stats stay
-    on, so ``engine.get_metrics()`` reports vLLM's own counters. Release it with
-    :func:`shutdown_engine`.
+    on, so ``engine.get_metrics()`` reports vLLM's own counters. The engine has
+    run its warm-up request (:mod:`kvguard.demo.warmup`: a long first prompt; the
+    pool is all free and unhashed again). Release it with :func:`shutdown_engine`.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm.engine.arg_utils import EngineArgs
@@ -145,7 +147,9 @@ def build_engine(spec: EngineSpec) -> LLMEngine:
         distributed_executor_backend="uni",
         disable_log_stats=False,
     )
-    return LLMEngine.from_engine_args(args)
+    engine = LLMEngine.from_engine_args(args)
+    warm_up_engine(engine)
+    return engine
 
 
 def scheduler_of(engine: LLMEngine) -> Scheduler:
@@ -195,7 +199,8 @@ class ServerProcess:
     Entering starts ``python -m vllm.entrypoints.openai.api_server`` in a new
     session (its own process group, so the API server, EngineCore and worker
     processes are stopped together), logs to ``log_path``, and returns once
-    ``/health`` answers 200. Exiting sends SIGTERM to the group, then SIGKILL
+    ``/health`` answers 200 and the warm-up request (:mod:`kvguard.demo.warmup`:
+    a long first prompt) has been answered. Exiting sends SIGTERM to the group, then SIGKILL
     after ``stop_grace_seconds``. Startup takes about 20 s here (50 s with a
     cold page cache).
 
@@ -264,6 +269,7 @@ class ServerProcess:
             )
         try:
             self._wait_healthy(self._process)
+            self._warm_up(self._process)
         except BaseException:
             self.stop()
             raise
@@ -286,6 +292,16 @@ class ServerProcess:
             self.log_path,
             self.log_tail(),
         )
+
+    def _warm_up(self, process: subprocess.Popen[bytes]) -> None:
+        try:
+            warm_up_server(self.base_url, self.spec.served_model_name,
+                           timeout_seconds=self._health_timeout_seconds)
+        except WarmupError as exc:
+            code = process.poll()
+            state = "running" if code is None else f"exited with code {code}"
+            raise ServerStartError(f"failed its warm-up request ({state}): {exc}",
+                                   self.log_path, self.log_tail()) from exc
 
     def log_tail(self, num_lines: int = 40) -> str:
         """The last ``num_lines`` lines of the server log."""

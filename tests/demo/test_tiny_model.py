@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,12 @@ from kvguard.demo.engine import (
     shutdown_engine,
 )
 from kvguard.demo.tiny_model import VOCAB_SIZE, make_draft_model, make_tiny_model
+from kvguard.demo.warmup import (
+    WARMUP_MAX_TOKENS,
+    WARMUP_PROMPT_TOKENS,
+    WARMUP_REQUESTS,
+    warmup_cached_blocks,
+)
 from kvguard.errors import ConfigError
 
 MAX_TOKENS = 8
@@ -37,11 +44,45 @@ def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
+@dataclass(frozen=True)
+class Built:
+    """The module's engine and what its warm-up left, read right after build_engine()."""
+
+    engine: LLMEngine
+    counters: dict[str, float]
+    """vLLM's own counters that moved during build_engine() (process-global registry)."""
+    free_blocks: int
+    hashed_blocks: int
+
+
 @pytest.fixture(scope="module")
-def engine(model_root: Path) -> Iterator[LLMEngine]:
-    built = build_engine(EngineSpec(make_tiny_model(model_root)))
-    yield built
-    shutdown_engine(built)
+def built(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
+    before = _vllm_counters()
+    with pytest.MonkeyPatch.context() as mp:  # kvguard reads it once, at engine start
+        mp.setenv("KVGUARD_RUN_DIR", str(tmp_path_factory.mktemp("run")))
+        engine = build_engine(EngineSpec(make_tiny_model(model_root)))
+    after = _vllm_counters()
+    pool = scheduler_of(engine).kv_cache_manager.block_pool
+    yield Built(engine, {k: v - before.get(k, 0.0) for k, v in after.items()},
+                pool.get_num_free_blocks(),
+                sum(b.block_hash is not None for b in pool.blocks))
+    shutdown_engine(engine)
+
+
+@pytest.fixture(scope="module")
+def engine(built: Built) -> LLMEngine:
+    return built.engine
+
+
+def _vllm_counters() -> dict[str, float]:
+    """vLLM's own in-process counters (one registry per process), summed over their labels."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    totals: dict[str, float] = {}
+    for m in get_metrics_snapshot():
+        if m.name in ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success"):
+            totals[m.name] = totals.get(m.name, 0.0) + float(getattr(m, "value", 0))
+    return totals
 
 
 def _snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
@@ -102,6 +143,22 @@ def test_server_args_spell_the_spec_as_vllm_flags(tmp_path: Path) -> None:
     assert "--enable-prefix-caching" in args and "--enforce-eager" in args
 
 
+@pytest.mark.engine
+def test_a_built_engine_has_served_a_long_warm_up_prompt_and_its_pool_is_free_again(
+    built: Built,
+) -> None:
+    """build_engine() sends one long request first (vLLM's CPU worker can die with SIGILL on
+    a short first prompt on AMX hosts); it leaves no block used or cached behind."""
+    assert built.counters == {
+        "vllm:prompt_tokens": WARMUP_PROMPT_TOKENS,
+        "vllm:generation_tokens": WARMUP_REQUESTS * WARMUP_MAX_TOKENS,
+        "vllm:request_success": WARMUP_REQUESTS,
+    }
+    assert WARMUP_PROMPT_TOKENS >= 100
+    assert built.free_blocks == 64 - 1  # all but the null block
+    assert built.hashed_blocks == 0  # the prefix cache was emptied
+
+
 def _run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
     finished: dict[str, list[int]] = {}
     for _ in range(MAX_STEPS):
@@ -132,14 +189,38 @@ def test_scheduler_of_reaches_the_engines_own_pool(engine: LLMEngine) -> None:
     assert len(scheduler_of(engine).kv_cache_manager.block_pool.blocks) == 64
 
 
+def _server_counters(base_url: str) -> dict[str, float]:
+    """A few of vLLM's own counters from the server's /metrics, summed over their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"vllm:prompt_tokens_total", "vllm:request_success_total",
+              "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"}
+    totals = dict.fromkeys(wanted, 0.0)
+    text = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                totals[sample.name] += sample.value
+    return totals
+
+
 @pytest.mark.server
 @pytest.mark.timeout(300)
 def test_server_process_answers_a_completion_and_stops_its_process_group(
     model_root: Path, tmp_path: Path
 ) -> None:
     spec = EngineSpec(make_tiny_model(model_root))
-    with ServerProcess(spec, log_path=tmp_path / "server.log") as server:
+    with ServerProcess(spec, log_path=tmp_path / "server.log",
+                       env={"KVGUARD_RUN_DIR": str(tmp_path / "run")}) as server:
         group = server.pid
+        # vLLM's own counters: the long warm-up was the server's first request, and its
+        # full prompt blocks are cached (what tests that count cached blocks account for).
+        before = _server_counters(server.base_url)
+        assert before == {"vllm:prompt_tokens_total": WARMUP_PROMPT_TOKENS,
+                          "vllm:request_success_total": WARMUP_REQUESTS,
+                          "vllm:prefix_cache_queries_total": WARMUP_PROMPT_TOKENS,
+                          "vllm:prefix_cache_hits_total": 0}
+        assert warmup_cached_blocks(spec.block_size) == WARMUP_PROMPT_TOKENS // 32 == 4
         response = httpx.post(
             f"{server.base_url}/v1/completions",
             json={
@@ -152,6 +233,8 @@ def test_server_process_answers_a_completion_and_stops_its_process_group(
         )
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        after = _server_counters(server.base_url)
+        assert after["vllm:request_success_total"] == WARMUP_REQUESTS + 1
 
     assert group is not None and server.pid is None
     with pytest.raises(ProcessLookupError):

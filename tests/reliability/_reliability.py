@@ -150,7 +150,14 @@ class ReliabilityEngine:
             self.guard.close()
 
 
-def wait_for(cond: Callable[[], Any], seconds: float = 20.0, what: str = "condition") -> Any:
+WAIT_SECONDS = 120.0
+"""Deadline for anything awaited (a sidecar starting, a state written, a reader catching
+up). Generous: on a loaded 2-core host a Python process can take tens of seconds to start;
+the condition decides, the deadline only bounds a failure."""
+
+
+def wait_for(cond: Callable[[], Any], seconds: float = WAIT_SECONDS,
+             what: str = "condition") -> Any:
     deadline = time.monotonic() + seconds
     while True:
         try:
@@ -235,7 +242,7 @@ class Sidecar:
         with self.client() as c:
             return c.get(path, params=params)
 
-    def wait_healthy(self, seconds: float = 30.0) -> None:
+    def wait_healthy(self, seconds: float = WAIT_SECONDS) -> None:
         def ok() -> bool:
             if self.process is not None and self.process.poll() is not None:
                 raise AssertionError(f"sidecar exited with {self.process.returncode}: "
@@ -243,6 +250,20 @@ class Sidecar:
             return self.get("/healthz").status_code == 200
 
         wait_for(ok, seconds, "sidecar healthy")
+
+    def wait_engine_up(self, g: EngineGuard, seconds: float = WAIT_SECONDS) -> None:
+        """Wait until the sidecar counts ``g``'s engine as up (``/healthz`` engines_up).
+
+        The engine publishes a fresh state before every look: an idle in-process engine
+        sends no heartbeat, and while a loaded host starts the sidecar its last state can
+        go stale (30 s), which the sidecar rightly reports as down.
+        """
+        def up() -> bool:
+            g.publish()
+            return g.publisher.flush(seconds) and \
+                self.get("/healthz").json()["engines_up"] >= 1
+
+        wait_for(up, seconds, f"engine {g.engine} seen up by the sidecar")
 
     def signal(self, signum: signal.Signals) -> None:
         assert self.process is not None

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from _reliability import (
+    WAIT_SECONDS,
     EngineFactory,
     Outputs,
     ReliabilityEngine,
@@ -116,7 +117,7 @@ def guarded(rel_engines: EngineFactory, tmp_path_factory: pytest.TempPathFactory
 
 def _published(g: EngineGuard) -> EngineState:
     g.publish()
-    assert g.publisher.flush(10.0)
+    assert g.publisher.flush(WAIT_SECONDS)
     return read_state_file(g.publisher.path)
 
 
@@ -189,7 +190,7 @@ def test_a_full_disk_is_counted_and_warned_once_and_the_engine_goes_on(
 ) -> None:
     g = guarded.g
     pub = g.publisher
-    assert pub.flush(10.0)
+    assert pub.flush(WAIT_SECONDS)
     errors0 = pub.errors
 
     def full(state: EngineState) -> None:
@@ -199,7 +200,7 @@ def test_a_full_disk_is_counted_and_warned_once_and_the_engine_goes_on(
     with caplog.at_level(logging.INFO, logger="kvguard.transport"):
         out = guarded.mixed_round()
         g.publish()
-        assert pub.flush(10.0)
+        assert pub.flush(WAIT_SECONDS)
     monkeypatch.undo()
     assert out == baseline_outputs
     failed = pub.errors - errors0
@@ -223,7 +224,7 @@ def test_an_unusable_run_dir_never_stops_the_engine(
                         extra_env={"KVGUARD_PUBLISH_INTERVAL_SECONDS": "0"})
         out = e.mixed_round()
         e.g.publish()
-        assert e.g.publisher.flush(10.0)
+        assert e.g.publisher.flush(WAIT_SECONDS)
     assert out == baseline_outputs
     assert e.g.publisher.writes == 0 and e.g.publisher.errors >= 2
     assert len([r for r in caplog.records if "cannot write its state" in r.getMessage()]) == 1
@@ -239,7 +240,7 @@ def test_the_engine_never_waits_for_a_blocked_state_writer(
     """A writer stuck in ``write`` (a hung volume): ``offer`` returns, states are dropped."""
     g = guarded.g
     pub = g.publisher
-    assert pub.flush(10.0)
+    assert pub.flush(WAIT_SECONDS)
     entered, release = threading.Event(), threading.Event()
     write = pub._write
 
@@ -261,7 +262,7 @@ def test_the_engine_never_waits_for_a_blocked_state_writer(
     drops0, writes0 = pub.drops, pub.writes
     try:
         g.publish()
-        wait_for(entered.is_set, 10, "writer blocked")
+        wait_for(entered.is_set, what="writer blocked")
         out = guarded.mixed_round()
         # The whole round ran while the writer thread sat blocked inside write().
         assert not release.is_set() and pub._writing and pub.writes == writes0
@@ -269,7 +270,7 @@ def test_the_engine_never_waits_for_a_blocked_state_writer(
         release.set()
     assert out == baseline_outputs
     assert offers >= 50 and pub.drops - drops0 >= offers - 2
-    assert pub.flush(10.0)
+    assert pub.flush(WAIT_SECONDS)
     monkeypatch.undo()
     state = _published(g)
     assert state.publish_drops_total == pub.drops
@@ -286,7 +287,7 @@ def test_a_hung_then_killed_sidecar_does_not_touch_the_engine(
     sidecar = Sidecar(run_dir, tmp_path / "sidecar.log").start()
     try:
         sidecar.wait_healthy()
-        wait_for(lambda: sidecar.get("/healthz").json()["engines_up"] >= 1, 20, "engine seen")
+        sidecar.wait_engine_up(g)
         # Hung: the sidecar is stopped and another reader holds the state file open and locked.
         with g.publisher.path.open("rb") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
@@ -298,7 +299,7 @@ def test_a_hung_then_killed_sidecar_does_not_touch_the_engine(
         last = g.reports[-1].checkpoint_id
         assert state.reports[-1].checkpoint_id == last
         wait_for(lambda: sidecar.get("/v1/checkpoints", engine=ENGINE)
-                 .json()["checkpoints"][-1]["checkpoint_id"] == last, 20, "sidecar caught up")
+                 .json()["checkpoints"][-1]["checkpoint_id"] == last, what="sidecar caught up")
 
         # Gone: killed mid-round, and its run directory removed under the engine.
         def vanish(step: int) -> None:
@@ -333,7 +334,7 @@ def test_a_corrupt_state_file_where_the_sidecar_reads_is_rejected_and_replaced(
     def corrupt(step: int) -> None:
         if step != 5:
             return
-        assert g.publisher.flush(10.0)
+        assert g.publisher.flush(WAIT_SECONDS)
         hold = threading.Event()
         write = g.publisher._write
 

@@ -140,7 +140,7 @@ def test_a_sidecar_with_a_token_refuses_writes_over_the_network(tmp_path: Path) 
                       env={"KVGUARD_CONTROL_TOKEN": TOKEN}).start()
     try:
         sidecar.wait_healthy()
-        wait_for(lambda: sidecar.get("/healthz").json()["engines"] == 1, 10, "engine read")
+        wait_for(lambda: sidecar.get("/healthz").json()["engines"] == 1, what="engine read")
         with sidecar.client() as c:
             assert c.post("/v1/checkpoints").status_code == 401
             assert c.post("/v1/checkpoints", headers={"Authorization": "Bearer no"}

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from _reliability import (
+    WAIT_SECONDS,
     EngineFactory,
     Outputs,
     Sidecar,
@@ -83,7 +84,7 @@ def test_a_killed_sidecar_restarts_and_resynchronises_to_the_engines_ground_trut
     sidecar = Sidecar(run_dir, tmp_path / "sidecar.log").start()
     try:
         sidecar.wait_healthy()
-        wait_for(lambda: sidecar.get("/healthz").json()["engines_up"] == 1, 20, "engine up")
+        sidecar.wait_engine_up(g)
         assert e.mixed_round() == baseline_outputs
 
         def kill_and_restart(step: int) -> None:
@@ -95,7 +96,7 @@ def test_a_killed_sidecar_restarts_and_resynchronises_to_the_engines_ground_trut
         assert e.mixed_round(kill_and_restart) == baseline_outputs  # the engine never noticed
         assert e.mixed_round() == baseline_outputs  # the next drained checkpoint
         g.publish()
-        assert g.publisher.flush(10.0)
+        assert g.publisher.flush(WAIT_SECONDS)
         sidecar.wait_healthy()
         truth = _ground_truth(g)
 
@@ -104,7 +105,7 @@ def test_a_killed_sidecar_restarts_and_resynchronises_to_the_engines_ground_trut
             return bool(checkpoints["checkpoints"]) and \
                 checkpoints["checkpoints"][-1]["checkpoint_id"] == g.reports[-1].checkpoint_id
 
-        wait_for(synced, 20, "restarted sidecar resynchronised")
+        wait_for(synced, what="restarted sidecar resynchronised")
         view = _sidecar_view(sidecar.get("/metrics").text,
                              sidecar.get("/v1/checkpoints", engine="rel-sync")
                              .json()["checkpoints"],
@@ -154,28 +155,36 @@ def test_an_engine_restart_is_a_new_epoch_and_never_mixed_with_the_old_one(
     assert old_history and {ep for _, ep in old_history} == {old}
     old_file = (run_dir / "phoenix.json").read_bytes()
 
-    # Epoch 2: the engine restarts under the same name (here an in-process engine).
+    # Epoch 2: the engine restarts under the same name (here an in-process engine). Its
+    # warm-up request (build_engine) gave it one drained checkpoint of its own, clean.
     e = rel_engines(run_dir=run_dir, name="phoenix",
                     extra_env={"KVGUARD_PUBLISH_INTERVAL_SECONDS": "0"})
     new = e.g.epoch
     assert new != old
-    assert e.g.publisher.flush(10.0)  # its first state (published at attach) is on disk
+    [warmup] = e.g.reports
+    assert warmup.verdict is not Verdict.LEAK
+    assert e.g.publisher.flush(WAIT_SECONDS)  # its state after the warm-up is on disk
     store.refresh()
     m = metrics()
-    # The old epoch's series are gone; nothing of it is carried into the new one.
+    # The old epoch's series are gone; nothing of it is carried into the new one: every
+    # series is the new epoch's own (its warm-up checkpoint), the old leak is not there.
     assert [lbl["epoch"] for lbl, _ in m["kvguard_engine_info"]] == [new]
-    assert by_label(m, "kvguard_leaked_blocks", "phoenix", "cause") == {}
-    assert by_label(m, "kvguard_pool_blocks", "phoenix", "state") == {}
-    assert set(by_label(m, "kvguard_checkpoints_total", "phoenix", "verdict").values()) == {0.0}
-    assert one_value(m, "kvguard_last_checkpoint_timestamp_seconds", "phoenix") is None
+    assert set(by_label(m, "kvguard_leaked_blocks", "phoenix", "cause").values()) == {0.0}
+    assert by_label(m, "kvguard_pool_blocks", "phoenix", "state")["held_by_finished"] == 0
+    assert summed_by_label(m, "kvguard_checkpoints_total", "phoenix", "verdict") == {
+        v.value: float(e.g.checkpoints_total.get(v.value, 0)) for v in Verdict}
+    assert one_value(m, "kvguard_last_checkpoint_timestamp_seconds", "phoenix") == \
+        pytest.approx(warmup.taken_at, abs=1e-3)
     [rep] = client.get("/v1/report").json()["engines"]
-    assert rep["epoch"] == new and rep["latest"] is None and rep["trend"]["checkpoints"] == 0
-    assert history() == old_history  # the history keeps the old epoch, labelled as such
-    assert history(epoch=new) == []
+    assert rep["epoch"] == new and rep["latest"]["checkpoint_id"] == warmup.checkpoint_id
+    assert rep["latest"]["epoch"] == new and rep["trend"]["checkpoints"] == 1
+    # The history keeps the old epoch, labelled as such, beside the new one.
+    assert history(epoch=old) == old_history
+    assert history(epoch=new) == [(warmup.checkpoint_id, new)]
 
     assert e.mixed_round() == baseline_outputs
     e.g.publish()
-    assert e.g.publisher.flush(10.0)
+    assert e.g.publisher.flush(WAIT_SECONDS)
     store.refresh()
     m = metrics()
     assert [lbl["epoch"] for lbl, _ in m["kvguard_engine_info"]] == [new]
@@ -203,6 +212,6 @@ def test_an_engine_restart_is_a_new_epoch_and_never_mixed_with_the_old_one(
     assert "out of order" in store.read_errors["phoenix.json"]
     assert store.num_read_errors == errors + 1 and store.engines["phoenix"].state.epoch == new
     e.g.publish()
-    assert e.g.publisher.flush(10.0)
+    assert e.g.publisher.flush(WAIT_SECONDS)
     store.refresh()
     assert "phoenix.json" not in store.read_errors

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _reliability import EngineFactory
+from _reliability import WAIT_SECONDS, EngineFactory
 
 import kvguard
 from kvguard.core.types import Verdict
@@ -76,6 +76,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# At least 2 x MIN_WARMUP_CYCLES rounds whatever the clock says: a round can take a minute
+# on a loaded 2-core host, so the limit is generous (the suite's default is 10 minutes).
+@pytest.mark.timeout(max(3600, 4 * SOAK_SECONDS))
 def test_a_mixed_workload_soak_keeps_memory_flat_and_reports_no_false_leak(
     rel_engines: EngineFactory, tmp_path: Path,
 ) -> None:
@@ -95,7 +98,7 @@ def test_a_mixed_workload_soak_keeps_memory_flat_and_reports_no_false_leak(
         out = e.mixed_round(seed=i, reset_prefix_cache=False, extra_sharers=3)
         assert len(out) == 9, sorted(out)  # everything not cancelled finished
         g.publish()
-        assert g.publisher.flush(10.0)
+        assert g.publisher.flush(WAIT_SECONDS)
         store.refresh()
         new = [r for r in g.reports if r.checkpoint_id > last_seen]
         assert new, "every cycle ends in a drained checkpoint"

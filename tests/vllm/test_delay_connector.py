@@ -58,6 +58,7 @@ from kvguard.chaos.delay_connector import (
     DelayedFreeConnectorMetadata,
     DelayedFreeSettings,
 )
+from kvguard.demo.warmup import warm_up_engine
 from kvguard.errors import ConfigError
 
 pytestmark = [pytest.mark.engine, pytest.mark.kv_connector, pytest.mark.timeout(180)]
@@ -189,9 +190,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     # start subprocesses do not inherit it.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        mp.setenv("KVGUARD_RUN_DIR", str(tmp_path_factory.mktemp("run")))
         vllm_envs.disable_envs_cache()
         llm = LLMEngine.from_engine_args(args)
         try:
+            warm_up_engine(llm)  # a long first prompt, as every engine of the project gets
             assert isinstance(llm.engine_core, InprocClient), type(llm.engine_core)
             scheduler = llm.engine_core.engine_core.scheduler
             assert isinstance(scheduler, Scheduler), type(scheduler)

@@ -12,6 +12,7 @@ from kvguard.core.types import Verdict
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
 from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.demo.warmup import WARMUP_REQUESTS
 from kvguard.demo.workload import run_workload
 
 
@@ -27,11 +28,13 @@ def test_server_with_plugin_publishes_a_report_and_disconnects_leave_no_leak(
                               shared_prefix_streams=6, disconnecting_streams=4)
         assert result.failed == 0 and result.completed >= 6
         # The drained checkpoint after the last request: the engine publishes it in the
-        # same step as that request's free, so wait for all 10 frees (a checkpoint from
-        # an earlier drain, between the two phases, must not be taken for it).
+        # same step as that request's free, so wait for all 10 frees, plus the warm-up
+        # request's (a checkpoint from an earlier drain, between the two phases, must not
+        # be taken for it).
+        requests = 10 + WARMUP_REQUESTS
         state = wait_for_checkpoint(run_dir, after=time.time() - 5.0)
         deadline = time.monotonic() + 60
-        while state.events_total.get("free", 0) < 10:
+        while state.events_total.get("free", 0) < requests:
             assert time.monotonic() < deadline, state.events_total
             time.sleep(0.25)
             state = wait_for_checkpoint(run_dir, after=0.0)
@@ -42,7 +45,7 @@ def test_server_with_plugin_publishes_a_report_and_disconnects_leave_no_leak(
     assert report.verdict in (Verdict.CLEAN, Verdict.SATURATED), report.explanation
     assert report.leaks == [] and report.pool is not None
     assert report.pool.active == report.pool.held_by_finished == report.pool.orphaned == 0
-    assert state.events_total["admit"] == 10 and state.hook_errors_total == 0
+    assert state.events_total["admit"] == requests and state.hook_errors_total == 0
 
     out = subprocess.run([sys.executable, "-m", "kvguard.cli.main", "report", "--json",
                           "--run-dir", str(run_dir)], capture_output=True, text=True, check=True)

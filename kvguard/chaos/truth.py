@@ -97,9 +97,8 @@ def metric_value(metrics: Iterable[Any], name: str) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class ReportBlocks:
-    """What a kvguard report says was leaked: block ids, the distinct count, and the
-    count the report states itself (top-level ``leaked_blocks`` when the report has one,
-    else the union of its findings' block ids)."""
+    """What a kvguard report says was leaked: the union of its findings' block ids and the
+    distinct count the report states itself (``leaked_blocks``)."""
 
     block_ids: frozenset[int]
     stated_count: int
@@ -110,9 +109,7 @@ def report_blocks(report: CheckpointReport) -> ReportBlocks:
     ids: set[int] = set()
     for lk in report.leaks:
         ids.update(lk.block_ids)
-    stated = getattr(report, "leaked_blocks", None)
-    return ReportBlocks(block_ids=frozenset(ids),
-                        stated_count=int(stated) if isinstance(stated, int) else len(ids),
+    return ReportBlocks(block_ids=frozenset(ids), stated_count=report.leaked_blocks,
                         per_finding=[lk.blocks for lk in report.leaks])
 
 

@@ -30,17 +30,22 @@ def _truth(leaked: set[int], capacity: int = 63) -> PoolTruth:
 
 
 def _report(findings: list[list[int]], capacity: int = 63) -> CheckpointReport:
+    """A report as kvguard builds it: ``leaked_blocks`` counts distinct blocks, each finding
+    says how many of its blocks another finding names too."""
     held = len({b for ids in findings for b in ids})
+    others = [{b for j, o in enumerate(findings) if j != i for b in o}
+              for i in range(len(findings))]
     return CheckpointReport(
         checkpoint_id=1, engine="dp0", epoch="e", taken_at=0.0, drained=True,
-        verdict=Verdict.LEAK, explanation="",
+        verdict=Verdict.LEAK, explanation="", leaked_blocks=held,
         pool=PoolReport(capacity=capacity, free=capacity - held, cached=0, active=0,
                         held_by_finished=held, orphaned=0,
                         num_free_reported=capacity - held),
         leaks=[LeakReport(request_id="victim-0123abcd", client_request_id="victim",
                           cause=LeakCause.FINISHED_REQUEST, finish_reason=FinishReason.ABORTED,
                           path=LeakPath.ABORT, blocks=len(ids), block_ids=ids,
-                          evidence=Evidence.DRAINED) for ids in findings])
+                          shared_blocks=len(set(ids) & others[i]),
+                          evidence=Evidence.DRAINED) for i, ids in enumerate(findings)])
 
 
 def test_a_report_naming_the_pools_leaked_blocks_passes() -> None:
@@ -74,11 +79,9 @@ def test_vllms_usage_must_count_the_leaked_blocks() -> None:
 def test_shared_blocks_count_once_a_stated_total_above_the_pool_fails() -> None:
     # Two findings share block 5: the distinct count (3) is what the pool holds.
     assert score(SCENARIO, _report([[4, 5], [5, 6]]), _truth({4, 5, 6}))[0] is Status.PASSED
-    report = _report([[4, 5], [5, 6]])
-    if "leaked_blocks" in CheckpointReport.model_fields:  # once the report states a total
-        bad = report.model_copy(update={"leaked_blocks": 4})
-        status, why = score(SCENARIO, bad, _truth({4, 5, 6}))
-        assert status is Status.FAILED and "states 4" in why
+    bad = _report([[4, 5], [5, 6]]).model_copy(update={"leaked_blocks": 4})  # summed
+    status, why = score(SCENARIO, bad, _truth({4, 5, 6}))
+    assert status is Status.FAILED and "states 4" in why
 
 
 def test_a_clean_report_over_a_leaking_pool_fails() -> None:

@@ -46,6 +46,7 @@ from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
 from kvguard.demo.tiny_model import WORDS, make_tiny_model
+from kvguard.demo.warmup import WARMUP_PROMPT_TOKENS
 from kvguard.demo.workload import run_workload
 
 PROMETHEUS_READY_TIMEOUT_S = 15.0
@@ -136,7 +137,10 @@ def _bring_up_saturated(root: Path, model_dir: Path, stack: ExitStack) -> Satura
     block_size = spec.block_size
     assert hits > 0 and hits % block_size == 0, hits
     capacity = vllm_capacity_blocks(server.base_url)
-    cached = int(hits) // block_size
+    # vLLM keeps every full block of a finished request cached: the fill prompts' blocks
+    # (served again from the cache: their hits) and the 128-token warm-up prompt's
+    # (ServerProcess sends it first; never requested again, so no hit counts it).
+    cached = int(hits) // block_size + WARMUP_PROMPT_TOKENS // block_size
     assert cached >= 0.8 * capacity, f"only {cached} of {capacity} blocks cached: not saturated"
     assert vllm_value(server.base_url, "vllm:kv_cache_usage_perc") == 0.0
     metrics_url = stack.enter_context(_sidecar(run_dir, engines=1))

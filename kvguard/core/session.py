@@ -157,8 +157,10 @@ class GuardSession:
 
     @config.setter
     def config(self, config: KvguardConfig) -> None:
-        """Settings can be replaced at run time (tests, staging); the online audit follows."""
+        """Settings can be replaced at run time (tests, staging); the online audit follows,
+        and a new publish interval applies from the next step (not after the old one ran out)."""
         self._config = config
+        self._next_publish = 0.0
         if not config.online_audit:
             self.online = None
             return

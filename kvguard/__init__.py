@@ -8,7 +8,7 @@ point (``VLLM_PLUGINS=kvguard``) and needs no import from user code.
 from kvguard.config import KvguardConfig
 from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
 from kvguard.core.engine import EngineActivity, EngineAdapter, EngineIdentity, HoldBound
-from kvguard.core.findings import Finding, PoolStates, Reconciliation
+from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.online import OnlineAuditor, OnlineOptions, PoolAccess, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
@@ -74,7 +74,6 @@ __all__ = [
     "PoolReport",
     "PoolSlice",
     "PoolSnapshot",
-    "PoolStates",
     "ProtocolError",
     "ReconcileOptions",
     "Reconciliation",

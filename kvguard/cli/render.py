@@ -27,9 +27,8 @@ def render_report(r: CheckpointReport) -> str:
         p = r.pool
         out.append(f"  pool: {p.capacity} usable blocks (engine reports {p.num_free_reported} "
                    "free incl. cached)")
-        for name, n in (("free", p.free), ("cached", p.cached), ("active", p.active),
-                        ("held_by_finished", p.held_by_finished), ("orphaned", p.orphaned)):
-            out.append(f"    {name:<17}{n:>7}  {_bar(n, p.capacity)}")
+        for state, n in p.by_state().items():
+            out.append(f"    {state.value:<17}{n:>7}  {_bar(n, p.capacity)}")
     if r.leaks:
         out.append(f"  leaks: {r.leaked_blocks} distinct block(s)")
         out.append(f"    {'REQUEST':<28}{'CAUSE':<18}{'PATH':<14}{'REASON':<10}"

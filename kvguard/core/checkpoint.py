@@ -4,38 +4,15 @@ from __future__ import annotations
 
 from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.online import SweepResult
-from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport, PoolReport
-from kvguard.core.types import BlockState, Evidence, Verdict
+from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport
+from kvguard.core.types import Evidence, Verdict
 from kvguard.core.verdict import decide, decide_online, skipped_explanation
 
 
-def pool_report(rec: Reconciliation) -> PoolReport:
-    c = rec.states.counts
-    return PoolReport(
-        capacity=rec.states.capacity,
-        free=c[BlockState.FREE],
-        cached=c[BlockState.CACHED],
-        active=c[BlockState.ACTIVE],
-        held_by_finished=c[BlockState.HELD_BY_FINISHED],
-        orphaned=c[BlockState.ORPHANED],
-        num_free_reported=rec.num_free_reported,
-    )
-
-
 def leak_report(f: Finding) -> LeakReport:
-    return LeakReport(
-        request_id=f.request_id,
-        client_request_id=f.client_request_id,
-        cause=f.cause,
-        finish_reason=f.finish_reason,
-        path=f.path,
-        blocks=f.blocks,
-        shared_blocks=f.shared_blocks,
-        block_ids=list(f.block_ids),
-        held_for_seconds=f.held_for_seconds,
-        evidence=f.evidence,
-        detail=f.detail,
-    )
+    """The frozen report of a finding: ``LeakReport``'s fields read by name from the
+    finding (one declaration, no copy by hand; a field the finding lacks is an error)."""
+    return LeakReport.model_validate(f, from_attributes=True)
 
 
 def build_report(
@@ -88,7 +65,7 @@ def _judged_report(
         taken_at=taken_at,
         drained=drained,
         verdict=verdict,
-        pool=pool_report(rec),
+        pool=rec.states,
         saturation_ratio=min(1.0, rec.states.saturation_ratio),
         finished_requests_holding_blocks=rec.finished_requests_holding,
         leaks=[leak_report(f) for f in rec.findings],

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvguard.core.types import BlockState, Evidence, FinishReason, LeakCause, LeakPath, RequestId
+from kvguard.core.report import PoolReport
+from kvguard.core.types import Evidence, FinishReason, LeakCause, LeakPath, RequestId
 
 MAX_BLOCK_IDS_PER_FINDING = 32
 """A finding lists at most this many block ids (the count is always exact)."""
@@ -52,37 +53,21 @@ class Finding:
 
 
 @dataclass(slots=True)
-class PoolStates:
-    """Usable blocks by state; the five counts sum to ``capacity``."""
-
-    capacity: int
-    counts: dict[BlockState, int] = field(
-        default_factory=lambda: {s: 0 for s in BlockState}
-    )
-
-    def __getitem__(self, state: BlockState) -> int:
-        return self.counts[state]
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def saturation_ratio(self) -> float:
-        return self.counts[BlockState.CACHED] / self.capacity if self.capacity else 0.0
-
-
-@dataclass(slots=True)
 class Reconciliation:
     """The result of comparing the ledger with a pool snapshot."""
 
-    states: PoolStates
+    states: PoolReport
+    """Usable blocks by state, and the engine's own free count: the report's ``pool``."""
     findings: list[Finding]
     finished_requests_holding: int
     """Finished requests that still hold blocks now (leaks or legitimate delayed frees)."""
-    num_free_reported: int
     num_free_observed: int
     """Blocks with ref count 0 in the snapshot; must equal ``num_free_reported``."""
+
+    @property
+    def num_free_reported(self) -> int:
+        """The engine's own free-block count (cached blocks included)."""
+        return self.states.num_free_reported
 
     def __post_init__(self) -> None:
         mark_shared_blocks(self.findings)

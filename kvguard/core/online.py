@@ -49,9 +49,10 @@ from time import perf_counter
 from typing import Protocol, cast
 
 from kvguard.core.classify import Fingerprint, HoldRule, classify_block
-from kvguard.core.findings import Finding, PoolStates, Reconciliation
+from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, judge_block
+from kvguard.core.report import PoolReport
 from kvguard.core.snapshot import PoolSlice, count_falsy
 from kvguard.core.types import (
     BlockId,
@@ -129,14 +130,14 @@ class SweepResult:
 
     sweep: int
     """1-based, since the last restart."""
-    states: PoolStates
-    """Each block counted once, at the moment its slice was read (not one instant)."""
+    states: PoolReport
+    """Each block counted once, at the moment its slice was read (not one instant); its
+    ``num_free_reported`` is the engine's count when the sweep ended."""
     findings: list[Finding]
     steps: int
     seconds: float
     busy_seconds: float
     """Audit time spent in this sweep."""
-    num_free_reported: int
     can_confirm: bool
     """False for the first sweep after a restart: nothing can have been seen twice yet."""
 
@@ -144,7 +145,6 @@ class SweepResult:
         return Reconciliation(states=self.states, findings=self.findings,
                               finished_requests_holding=len({
                                   f.request_id for f in self.findings if f.request_id}),
-                              num_free_reported=self.num_free_reported,
                               num_free_observed=self.states[BlockState.FREE]
                               + self.states[BlockState.CACHED])
 
@@ -284,10 +284,10 @@ class OnlineAuditor:
         capacity = self.pool.num_blocks - len(self.pool.null_block_ids)
         result = SweepResult(
             sweep=self._sweep,
-            states=PoolStates(capacity=capacity, counts=dict(self._counts)),
+            states=PoolReport.from_counts(capacity=capacity, counts=self._counts,
+                                          num_free_reported=self.pool.num_free()),
             findings=self.findings(wall),
             steps=self._steps, seconds=st.last_sweep_seconds, busy_seconds=self._busy,
-            num_free_reported=self.pool.num_free(),
             can_confirm=self._sweep >= 2)
         self._begin_sweep()
         return result

@@ -22,8 +22,9 @@ from itertools import compress
 from typing import cast
 
 from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
-from kvguard.core.findings import Finding, PoolStates, Reconciliation
+from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger
+from kvguard.core.report import PoolReport
 from kvguard.core.snapshot import PoolSnapshot, count_falsy
 from kvguard.core.types import (
     BlockId,
@@ -126,12 +127,12 @@ def reconcile(
     findings = list(out.groups.values())
     findings.extend(pool_level)
     findings.sort(key=lambda f: (f.cause.value, -(f.blocks), f.request_id or ""))
-    states = PoolStates(capacity=snapshot.capacity, counts=counts)
+    states = PoolReport.from_counts(capacity=snapshot.capacity, counts=counts,
+                                    num_free_reported=snapshot.num_free_reported)
     return Reconciliation(
         states=states,
         findings=findings,
         finished_requests_holding=len(holders),
-        num_free_reported=snapshot.num_free_reported,
         num_free_observed=n_zero,
     )
 

@@ -8,10 +8,11 @@ block ids and times.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvguard.core.types import Evidence, FinishReason, LeakCause, LeakPath, Verdict
+from kvguard.core.types import BlockState, Evidence, FinishReason, LeakCause, LeakPath, Verdict
 
 REPORT_SCHEMA_VERSION = 2
 """2: ``leaked_blocks`` and ``LeakReport.shared_blocks`` added; ``leaked_blocks_by_cause``
@@ -23,9 +24,11 @@ class _Model(BaseModel):
 
 
 class PoolReport(_Model):
-    """Usable blocks by state.
+    """Usable blocks by state: what an audit computes and what the report carries (one
+    type in process and in JSON; the field names are ``BlockState`` values).
 
     Invariant: ``free + cached + active + held_by_finished + orphaned == capacity``.
+    Over an online sweep each block is counted once, at the moment its slice was read.
     """
 
     capacity: int = Field(ge=0)
@@ -37,6 +40,32 @@ class PoolReport(_Model):
     num_free_reported: int = Field(
         description="The engine's own free-block count (includes cached blocks)."
     )
+
+    @classmethod
+    def from_counts(cls, *, capacity: int, counts: Mapping[BlockState, int],
+                    num_free_reported: int) -> PoolReport:
+        """The pool report of an audit's per-state counts (a missing state counts 0)."""
+        return cls(capacity=capacity, num_free_reported=num_free_reported,
+                   **{s.value: int(counts.get(s, 0)) for s in BlockState})
+
+    def __getitem__(self, state: BlockState) -> int:
+        """Blocks in ``state``."""
+        n: int = getattr(self, state.value)
+        return n
+
+    def by_state(self) -> dict[BlockState, int]:
+        """Blocks per state, in ``BlockState`` order (for metrics and tables)."""
+        return {s: self[s] for s in BlockState}
+
+    @property
+    def total(self) -> int:
+        """The sum over states; equals ``capacity`` (the invariant above)."""
+        return sum(self.by_state().values())
+
+    @property
+    def saturation_ratio(self) -> float:
+        """Cached (evictable) blocks over capacity, 0..1; 0 for an empty pool."""
+        return self.cached / self.capacity if self.capacity else 0.0
 
 
 class LeakReport(_Model):

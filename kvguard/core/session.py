@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from kvguard.config import KvguardConfig
-from kvguard.core.checkpoint import build_report, online_report, pool_report, skipped_report
+from kvguard.core.checkpoint import build_report, online_report, skipped_report
 from kvguard.core.classify import HoldRule, hold_is_legitimate
 from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
@@ -380,7 +380,7 @@ class GuardSession:
     def _on_sweep(self, result: SweepResult) -> None:
         online = self.online
         assert online is not None
-        self.last_pool = pool_report(result.reconciliation())
+        self.last_pool = result.states
         if not result.can_confirm or online.stats.sweeps_total < self._online_quiet_until:
             return
         key = frozenset((f.cause.value, f.request_id, f.path.value, f.blocks)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvguard.core.findings import Finding, Reconciliation
-from kvguard.core.types import BlockState, LeakCause, LeakPath, Verdict
+from kvguard.core.types import LeakCause, LeakPath, Verdict
 
 SATURATION_RATIO_DEFAULT = 0.8
 """Cached blocks at or above this share of capacity make a clean pool ``saturated``."""
@@ -51,7 +51,7 @@ def decide(
     s = rec.states
     if s.capacity and s.saturation_ratio >= saturation_ratio:
         return Verdict.SATURATED, (
-            f"The prefix cache is saturated: {s.counts[BlockState.CACHED]} of {s.capacity} "
+            f"The prefix cache is saturated: {s.cached} of {s.capacity} "
             "blocks hold "
             f"evictable cached prefixes ({s.saturation_ratio:.0%}) and no request holds a block "
             "it should not. This is the cache working as designed, not a leak: cached blocks "
@@ -60,7 +60,7 @@ def decide(
         )
     return Verdict.CLEAN, (
         f"The pool is clean: all {s.capacity} usable blocks are free "
-        f"({s.counts[BlockState.FREE]}) or cached ({s.counts[BlockState.CACHED]}), "
+        f"({s.free}) or cached ({s.cached}), "
         "every reference is "
         "accounted for. Nothing to do."
     )
@@ -77,11 +77,10 @@ def decide_online(
             "ownership only: allocator and device memory wait for a drained checkpoint.\n")
     verdict, text = decide(rec, saturation_ratio=saturation_ratio)
     if verdict is Verdict.CLEAN:
-        c = rec.states.counts
+        c = rec.states
         text = (f"No leak: every referenced block belongs to a live request or to a transfer "
-                f"within its bound ({c[BlockState.ACTIVE]} active, "
-                f"{c[BlockState.HELD_BY_FINISHED]} held by transfers, {c[BlockState.FREE]} "
-                f"free, {c[BlockState.CACHED]} cached of {rec.states.capacity}). Nothing to do.")
+                f"within its bound ({c.active} active, {c.held_by_finished} held by "
+                f"transfers, {c.free} free, {c.cached} cached of {c.capacity}). Nothing to do.")
     return verdict, head + text
 
 

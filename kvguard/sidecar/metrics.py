@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from kvguard.core.report import CheckpointReport
 from kvguard.core.trend import TrendVerdict, judged
-from kvguard.core.types import BlockState, Evidence, LeakCause, Verdict
+from kvguard.core.types import Evidence, LeakCause, Verdict
 from kvguard.sidecar.store import EngineStore
 
 
@@ -99,13 +99,9 @@ class KvguardCollector(Collector):
             if s.pool is not None:
                 p = s.pool
                 cap.add_metric([name], float(p.capacity))
-                counts = {BlockState.FREE: p.free, BlockState.CACHED: p.cached,
-                          BlockState.ACTIVE: p.active,
-                          BlockState.HELD_BY_FINISHED: p.held_by_finished,
-                          BlockState.ORPHANED: p.orphaned}
-                for state, n in counts.items():
+                for state, n in p.by_state().items():
                     blocks.add_metric([name, state.value], float(n))
-                sat.add_metric([name], p.cached / p.capacity if p.capacity else 0.0)
+                sat.add_metric([name], p.saturation_ratio)
             judged_now = [r for r in view.history if r.epoch == s.epoch and judged(r)]
             if judged_now:
                 r = judged_now[-1]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvguard.core.findings import Finding, PoolStates, Reconciliation
+from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.report import PoolReport
 from kvguard.core.types import (
     AcquireKind,
     BlockState,
@@ -129,9 +130,10 @@ def _rec(findings: list[Finding], *, capacity: int = 10, cached: int = 0) -> Rec
     counts = {s: 0 for s in BlockState}
     counts[BlockState.CACHED] = cached
     counts[BlockState.FREE] = capacity - cached
-    return Reconciliation(states=PoolStates(capacity=capacity, counts=counts),
+    return Reconciliation(states=PoolReport.from_counts(capacity=capacity, counts=counts,
+                                                        num_free_reported=capacity),
                           findings=findings, finished_requests_holding=0,
-                          num_free_reported=capacity, num_free_observed=capacity)
+                          num_free_observed=capacity)
 
 
 def test_a_leak_explanation_totals_lists_and_says_what_to_do_next() -> None:

@@ -66,8 +66,8 @@ def assert_states_match_pool(h: Harness, rec: Reconciliation, *, exact_owners: b
     """States sum to capacity; free/cached/observed-free agree with the reference pool."""
     s = rec.states
     assert s.capacity == h.pool.capacity
-    assert s.total == h.pool.capacity, s.counts
-    assert sum(s.counts.values()) == s.capacity
+    assert s.total == h.pool.capacity, s.by_state()
+    assert sum(s.by_state().values()) == s.capacity
     assert rec.num_free_reported == h.pool.num_free
     assert rec.num_free_observed == h.pool.num_free, (rec.num_free_observed, h.pool.num_free)
     free, cached = h.pool.count_states_truth()

@@ -37,7 +37,8 @@ class KvguardConfig:
     run_dir: Path = field(default_factory=default_run_dir)
     """Directory for the engine's state file (created owner-only, mode 0700)."""
     engine_name: str | None = None
-    """The ``engine`` label. Default: ``dp<data-parallel rank>`` (``dp0``)."""
+    """The ``engine`` label. Default: ``dp<data-parallel rank>`` (``dp0``). A data-parallel
+    rank adds ``-dp<rank>`` to a configured name (``llama-dp0``, ``llama-dp1``)."""
     delayed_free_bound_seconds: float | None = None
     """How long a finished request may hold blocks while its KV transfer completes.
     Unset: the KV connector's own timeout when vLLM exposes one (NIXL's lease,

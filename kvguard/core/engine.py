@@ -36,6 +36,17 @@ class EngineIdentity:
     default_name: str
     """The ``engine`` label when ``KVGUARD_ENGINE_NAME`` is unset (e.g. ``dp0``: one per
     data-parallel rank, which has its own pool)."""
+    replica: str | None = None
+    """This engine's place in a group of engines that share one configuration (e.g.
+    ``dp1`` for data-parallel rank 1); ``None`` when it runs alone. A configured name
+    gets it as a suffix, so that the ranks of one server never share a label."""
+
+    def name(self, configured: str | None) -> str:
+        """The ``engine`` label: ``configured`` (plus ``-<replica>`` in a group), else
+        ``default_name``."""
+        if not configured:
+            return self.default_name
+        return f"{configured}-{self.replica}" if self.replica else configured
 
 
 @dataclass(frozen=True, slots=True)

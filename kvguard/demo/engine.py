@@ -94,6 +94,13 @@ class EngineSpec:
             )
 
     @property
+    def data_parallel_size(self) -> int:
+        """Engine cores behind the server (``extra["data_parallel_size"]``, default 1); each
+        rank has its own scheduler, pool and kvguard state file."""
+        size = self.extra.get("data_parallel_size", 1)
+        return size if isinstance(size, int) and size > 0 else 1
+
+    @property
     def served_model_name(self) -> str:
         """The model name clients send to the server."""
         return self.model_dir.name
@@ -296,7 +303,8 @@ class ServerProcess:
     def _warm_up(self, process: subprocess.Popen[bytes]) -> None:
         try:
             warm_up_server(self.base_url, self.spec.served_model_name,
-                           timeout_seconds=self._health_timeout_seconds)
+                           timeout_seconds=self._health_timeout_seconds,
+                           data_parallel_ranks=self.spec.data_parallel_size)
         except WarmupError as exc:
             code = process.poll()
             state = "running" if code is None else f"exited with code {code}"

@@ -88,8 +88,15 @@ def warm_up_engine(engine: LLMEngine) -> None:
                       "engine steps (is a KV connector holding them?)")
 
 
-def warm_up_server(base_url: str, model: str, *, timeout_seconds: float = 120.0) -> None:
-    """Send the warm-up request to an OpenAI-compatible server and wait for its answer.
+DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
+"""vLLM's OpenAI server sends a request with this header to that data-parallel rank."""
+
+
+def warm_up_server(base_url: str, model: str, *, timeout_seconds: float = 120.0,
+                   data_parallel_ranks: int = 1) -> None:
+    """Send the warm-up request to an OpenAI-compatible server and wait for its answer;
+    to each rank of a data-parallel server (``data_parallel_ranks`` > 1: every engine core
+    has its own worker, and each one's first request must be the long one).
 
     Raises :class:`WarmupError` when the server does not answer 200 with
     :data:`WARMUP_MAX_TOKENS` generated tokens within ``timeout_seconds``.
@@ -97,8 +104,15 @@ def warm_up_server(base_url: str, model: str, *, timeout_seconds: float = 120.0)
     body = json.dumps({"model": model, "prompt": list(WARMUP_TOKEN_IDS),
                        "max_tokens": WARMUP_MAX_TOKENS, "ignore_eos": True,
                        "temperature": 0.0}).encode()
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    for rank in range(data_parallel_ranks):
+        headers = {"Content-Type": "application/json"}
+        if data_parallel_ranks > 1:
+            headers[DATA_PARALLEL_RANK_HEADER] = str(rank)
+        _warm_up_one(urllib.request.Request(f"{base_url}/v1/completions", data=body,
+                                            headers=headers), base_url, timeout_seconds)
+
+
+def _warm_up_one(req: urllib.request.Request, base_url: str, timeout_seconds: float) -> None:
     try:
         with urllib.request.urlopen(req, timeout=timeout_seconds) as response:
             answer = json.loads(response.read())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvguard.demo.tiny_model import WORDS
+from kvguard.demo.warmup import DATA_PARALLEL_RANK_HEADER
 
 SHARED_PREFIX_WORDS = 70
 """Words shared by every prefix-phase prompt: two full 32-token KV blocks and then some."""
@@ -28,12 +29,18 @@ class WorkloadResult:
     failed: int = 0
 
 
+def rank_headers(data_parallel_rank: int | None) -> dict[str, str]:
+    """The headers that pin a request to one data-parallel rank (none: vLLM balances)."""
+    return {} if data_parallel_rank is None else {
+        DATA_PARALLEL_RANK_HEADER: str(data_parallel_rank)}
+
+
 def _words(seed: int, n: int) -> str:
     return " ".join(WORDS[(seed * 131 + i * 17) % len(WORDS)] for i in range(n))
 
 
 def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
-                      *, timeout: float = 60.0) -> bool:
+                      *, timeout: float = 60.0, data_parallel_rank: int | None = None) -> bool:
     """Stream a long completion and cancel it: through vLLM's abort API after one chunk
     (asked again after 16), then by hanging up after 48 if the stream still goes on.
 
@@ -48,7 +55,8 @@ def cancel_mid_stream(base_url: str, model: str, prompt: str, max_tokens: int,
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0.0}
     chunks = 0
-    with httpx.Client(base_url=base_url, timeout=timeout) as client, \
+    with httpx.Client(base_url=base_url, timeout=timeout,
+                      headers=rank_headers(data_parallel_rank)) as client, \
             client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -69,11 +77,13 @@ _HANG_UP_AT_CHUNK = 48
 
 
 def stream_completion(base_url: str, model: str, prompt: str, max_tokens: int,
-                      *, disconnect_after_chunks: int | None, timeout: float = 60.0) -> bool:
+                      *, disconnect_after_chunks: int | None, timeout: float = 60.0,
+                      data_parallel_rank: int | None = None) -> bool:
     """Stream one completion; return True if it ran to the end, False if we hung up."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0.0}
-    with httpx.Client(base_url=base_url, timeout=timeout) as client, \
+    with httpx.Client(base_url=base_url, timeout=timeout,
+                      headers=rank_headers(data_parallel_rank)) as client, \
             client.stream("POST", "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         chunks = 0
@@ -99,6 +109,7 @@ def run_workload(
     cancelled_streams: int = 0,
     busy_streams: int = 0,
     progress: Callable[[str, int, int], None] | None = None,
+    data_parallel_rank: int | None = None,
 ) -> WorkloadResult:
     """Run both phases; ``progress(phase, done, total)`` is called after each request.
 
@@ -109,7 +120,8 @@ def run_workload(
     (1,900 tokens take about 2.5 s here; a few hundred may finish first).
     ``busy_streams`` long streams run to the end beside the disconnecting and the
     cancelled ones (they should be fewer than ``concurrency``), so the server stays
-    busy after each abort: what the online audit is for.
+    busy after each abort: what the online audit is for. ``data_parallel_rank`` sends
+    every request to that rank of a data-parallel server.
     """
     result = WorkloadResult()
     lock = threading.Lock()
@@ -123,10 +135,12 @@ def run_workload(
             prompt, max_tokens, cut = job
             try:
                 if cut == 0:
-                    finished = cancel_mid_stream(base_url, model, prompt, max_tokens)
+                    finished = cancel_mid_stream(base_url, model, prompt, max_tokens,
+                                                 data_parallel_rank=data_parallel_rank)
                 else:
                     finished = stream_completion(base_url, model, prompt, max_tokens,
-                                                 disconnect_after_chunks=cut)
+                                                 disconnect_after_chunks=cut,
+                                                 data_parallel_rank=data_parallel_rank)
                 with lock:
                     if finished:
                         result.completed += 1

@@ -11,8 +11,9 @@ rather than breaking the engine.
 from __future__ import annotations
 
 import functools
+import multiprocessing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from kvguard.core.engine import EngineActivity, EngineIdentity, HoldBound
 from kvguard.core.snapshot import PoolSnapshot
@@ -38,8 +39,10 @@ class VllmAdapter:
         self.kv_cache_manager = scheduler.kv_cache_manager
         self.block_pool = self.kv_cache_manager.block_pool
         self._pool = VllmPoolAccess(self.kv_cache_manager)
+        rank, in_group = data_parallel_rank(scheduler)
         self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
-                                        default_name=_default_engine_name(scheduler))
+                                        default_name=f"dp{rank}",
+                                        replica=f"dp{rank}" if in_group else None)
 
     @property
     def identity(self) -> EngineIdentity:
@@ -98,10 +101,28 @@ class VllmAdapter:
         return []
 
 
-def _default_engine_name(scheduler: Any) -> str:
-    cfg = getattr(scheduler, "vllm_config", None)
-    rank = getattr(getattr(cfg, "parallel_config", None), "data_parallel_rank", 0) or 0
-    return f"dp{rank}"
+_DP_PROCESS_PREFIX: Final = "EngineCore_DP"
+"""vLLM names an engine core process ``EngineCore_DP<rank>`` when it serves a data-parallel
+group (``EngineCore`` alone otherwise)."""
+
+
+def data_parallel_rank(scheduler: Any) -> tuple[int, bool]:
+    """This engine core's data-parallel rank, and whether it is one of a DP group.
+
+    vLLM runs each rank of a dense model as an independent engine: before the scheduler
+    is built it resets ``data_parallel_rank`` to 0 and ``data_parallel_size`` to 1
+    (``ParallelConfig.reconfigure_for_independent_dp_rank``), so both ranks would read
+    0. The original rank survives in ``data_parallel_index``; the group shows in the size
+    (MoE ranks keep it) or in the process name vLLM gives each rank.
+    """
+    pc = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
+    index = getattr(pc, "data_parallel_index", None)
+    rank = index if isinstance(index, int) else getattr(pc, "data_parallel_rank", 0)
+    rank = rank if isinstance(rank, int) and rank >= 0 else 0
+    size = getattr(pc, "data_parallel_size", 1)
+    in_group = (rank > 0 or (isinstance(size, int) and size > 1)
+                or multiprocessing.current_process().name.startswith(_DP_PROCESS_PREFIX))
+    return rank, in_group
 
 
 @functools.cache

@@ -61,7 +61,7 @@ class EngineGuard(GuardSession):
         self.scheduler = scheduler
         self.kv_cache_manager = adapter.kv_cache_manager
         self.block_pool = adapter.block_pool
-        engine = _unique_name(config.engine_name or adapter.identity.default_name)
+        engine = _unique_name(adapter.identity.name(config.engine_name))
         super().__init__(adapter, config, engine=engine,
                          sink=StatePublisher(config.run_dir, engine),
                          requests=RequestFile(config.run_dir, engine))

@@ -1,18 +1,22 @@
-"""Fixtures for the observability tests: two real engines and a real Prometheus scraping them.
+"""Fixtures for the observability tests: one data-parallel vLLM server, two engines, and a
+real Prometheus scraping them.
 
-``leaking_engine`` and ``saturated_engine`` are the only places that decide what Prometheus
-scrapes. Each is a real vLLM OpenAI server with kvguard in its EngineCore and the real
-``kvguard sidecar`` in front of its run dir:
+``dp_server`` is the only place that decides what Prometheus scrapes: a real vLLM OpenAI
+server with ``--data-parallel-size 2``, so two EngineCore processes, each with kvguard in
+it, its own KV pool and its own state file in one run dir, and the real ``kvguard sidecar``
+in front of that run dir:
 
-* ``dp0`` leaks: kvguard's opt-in fault injection keeps blocks referenced after the
-  requests are gone;
-* ``sat`` is healthy and saturated: no fault, its prefix cache filled with the full blocks
-  of distinct prompts, which stay cached (ref count 0, evictable) after every request ended.
+* rank 1 (``obs-dp1``) leaks: the chaos scheduler's opt-in faults, armed on that rank
+  only, keep blocks referenced after the requests are gone;
+* rank 0 (``obs-dp0``) is healthy and saturated: no fault, its prefix cache filled with the
+  full blocks of distinct prompts, which stay cached (ref count 0, evictable) after every
+  request ended.
 
-The two servers start at the same time (the saturated one in a background thread) so the
-module pays for one server start, not two. Ground truth comes from vLLM itself: each
-server's own ``/metrics`` (``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_hits``,
-``vllm:cache_config_info``), never from kvguard's counters.
+A leak on one rank must name that rank only, and the saturated rank beside it must stay
+silent: what a fleet running data parallelism relies on. Ground truth comes from vLLM
+itself: the server's own ``/metrics`` per rank (its ``engine`` label:
+``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_hits``, ``vllm:cache_config_info``),
+never from kvguard's counters.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -34,8 +38,12 @@ import pytest
 import yaml
 from _obs_contract import RULES, PrometheusServer, prometheus_binary
 from _observed import (
+    DATA_PARALLEL_SIZE,
+    ENGINE_NAME,
     LEAKING,
+    LEAKING_RANK,
     SATURATED,
+    SATURATED_RANK,
     ObservedEngine,
     SaturatedEngine,
     vllm_capacity_blocks,
@@ -47,15 +55,13 @@ from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
 from kvguard.demo.tiny_model import WORDS, make_tiny_model
 from kvguard.demo.warmup import WARMUP_PROMPT_TOKENS
-from kvguard.demo.workload import run_workload
+from kvguard.demo.workload import rank_headers, run_workload
 
 PROMETHEUS_READY_TIMEOUT_S = 15.0
 SIDECAR_READY_TIMEOUT_S = 30.0
-SERVER_HEALTH_TIMEOUT_S = 300.0
-"""Two servers start at once on two cores, next to whatever else runs: 120 s was too short
-on a loaded machine."""
-SATURATED_READY_TIMEOUT_S = 480.0
-"""Bound on the saturated engine's start, fill and first checkpoint."""
+SERVER_HEALTH_TIMEOUT_S = 400.0
+"""Two engine cores start on two cores, next to whatever else runs: one took 132 s on a
+loaded machine."""
 REQUEST_TIMEOUT_S = 60.0
 
 WARM_UP_WORDS = 120
@@ -69,20 +75,16 @@ FILL_MAX_TOKENS = 4
 """Output stays inside each prompt's partial last block: only prompt blocks get cached."""
 
 
-def _complete(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+def _complete(base_url: str, model: str, prompt: str, max_tokens: int, rank: int) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0}
-    with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S) as client:
+    with httpx.Client(base_url=base_url, timeout=REQUEST_TIMEOUT_S,
+                      headers=rank_headers(rank)) as client:
         client.post("/v1/completions", json=body).raise_for_status()
 
 
 def _prompt(seed: int, n: int) -> str:
     return " ".join(WORDS[(seed * 37 + i * 7) % len(WORDS)] for i in range(n))
-
-
-def warm_up(base_url: str, model: str) -> None:
-    """One long request first (SIGILL otherwise, see ``WARM_UP_WORDS``)."""
-    _complete(base_url, model, _prompt(0, WARM_UP_WORDS), 8)
 
 
 @contextmanager
@@ -111,104 +113,111 @@ def _sidecar(run_dir: Path, engines: int) -> Iterator[str]:
         _stop(sidecar)
 
 
-def _bring_up_saturated(root: Path, model_dir: Path, stack: ExitStack) -> SaturatedEngine:
-    run_dir = root / "run"
-    spec = EngineSpec(model_dir=model_dir, max_num_seqs=8)
-    env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
-           "KVGUARD_ENGINE_NAME": SATURATED, "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
-    server = ServerProcess(spec, log_path=root / "server.log", env=env,
-                           health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S)
-    stack.callback(server.stop)
-    server.start()
-    model = spec.served_model_name
+@dataclass(frozen=True)
+class DataParallelServer:
+    """The one vLLM server both observed engines are ranks of, and its sidecar."""
+
+    base_url: str
+    run_dir: Path
+    sidecar_metrics_url: str
+    cached_blocks_truth: int
+    """The saturated rank's cached blocks by vLLM's own count (see ``_fill_saturated``)."""
+
+
+def _fill_saturated(base_url: str, model: str, run_dir: Path, block_size: int) -> int:
+    """Fill rank 0's prefix cache with the full blocks of distinct prompts; return the
+    blocks it keeps cached by vLLM's own numbers."""
+    rank = SATURATED_RANK
     prompts = [_prompt(100 + i, FILL_PROMPT_WORDS) for i in range(FILL_PROMPTS)]
-    # One at a time: the first request is a long one (warm-up), and no prompt's blocks
-    # are evicted by another's while it runs.
+    # One at a time: no prompt's blocks are evicted by another's while it runs.
     for p in prompts:
-        _complete(server.base_url, model, p, FILL_MAX_TOKENS)
-    hits_before = vllm_value(server.base_url, "vllm:prefix_cache_hits_total")
+        _complete(base_url, model, p, FILL_MAX_TOKENS, rank)
+    hits_before = vllm_value(base_url, "vllm:prefix_cache_hits_total", rank)
     again = time.time()
     for p in prompts:
-        _complete(server.base_url, model, p, FILL_MAX_TOKENS)
+        _complete(base_url, model, p, FILL_MAX_TOKENS, rank)
     state = wait_for_checkpoint(run_dir, after=again, engine=SATURATED)
     assert state.latest_report is not None and state.latest_report.verdict.value == \
         "saturated", state.latest_report
-    hits = vllm_value(server.base_url, "vllm:prefix_cache_hits_total") - hits_before
-    block_size = spec.block_size
+    hits = vllm_value(base_url, "vllm:prefix_cache_hits_total", rank) - hits_before
     assert hits > 0 and hits % block_size == 0, hits
-    capacity = vllm_capacity_blocks(server.base_url)
+    capacity = vllm_capacity_blocks(base_url, rank)
     # vLLM keeps every full block of a finished request cached: the fill prompts' blocks
     # (served again from the cache: their hits) and the 128-token warm-up prompt's
-    # (ServerProcess sends it first; never requested again, so no hit counts it).
+    # (ServerProcess sends it to each rank first; never requested again, so no hit).
     cached = int(hits) // block_size + WARMUP_PROMPT_TOKENS // block_size
     assert cached >= 0.8 * capacity, f"only {cached} of {capacity} blocks cached: not saturated"
-    assert vllm_value(server.base_url, "vllm:kv_cache_usage_perc") == 0.0
-    metrics_url = stack.enter_context(_sidecar(run_dir, engines=1))
-    return SaturatedEngine(name=SATURATED, vllm_url=server.base_url,
-                           sidecar_metrics_url=metrics_url, run_dir=run_dir,
-                           cached_blocks_truth=cached)
+    assert vllm_value(base_url, "vllm:kv_cache_usage_perc", rank) == 0.0
+    return cached
+
+
+def _leak(base_url: str, model: str, run_dir: Path) -> None:
+    """Rank 1's workload: streams sharing a prefix, then clients hanging up."""
+    rank = LEAKING_RANK
+    run_workload(base_url, model, shared_prefix_streams=8, disconnecting_streams=4,
+                 data_parallel_rank=rank)
+    # One more request to its end: vLLM publishes its pool usage after each step, and
+    # an abort frees outside a step; the engine drains again after this one.
+    settle = time.time()
+    _complete(base_url, model, _prompt(0, WARM_UP_WORDS), 8, rank)
+    state = wait_for_checkpoint(run_dir, after=settle, engine=LEAKING)
+    assert state.latest_report is not None and state.latest_report.verdict.value == "leak"
+    assert state.online is not None and state.online.sweeps_total >= 2, state.online
 
 
 @pytest.fixture(scope="session")
-def saturated_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
-    Future[SaturatedEngine]
-]:
-    """The saturated engine, coming up in a background thread (see ``saturated_engine``)."""
-    root = tmp_path_factory.mktemp("observability-saturated")
-    # In this thread: importing transformers from two threads at once fails.
-    model_dir = make_tiny_model(root / "model")
-    with ExitStack() as stack, ThreadPoolExecutor(1, "saturated-engine") as pool:
-        future = pool.submit(_bring_up_saturated, root, model_dir, stack)
-        try:
-            yield future
-        finally:
-            future.exception(timeout=SATURATED_READY_TIMEOUT_S)  # then stop what it started
+def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallelServer]:
+    """One real vLLM OpenAI server with two data-parallel ranks (``--data-parallel-size 2``:
+    two EngineCore processes, each with its own scheduler, KV pool and kvguard state file
+    in one run dir), and one real ``kvguard sidecar`` reading both.
 
-
-@pytest.fixture(scope="session")
-def saturated_engine(saturated_start: Future[SaturatedEngine]) -> SaturatedEngine:
-    """A healthy engine with a saturated prefix cache, judged ``saturated`` at a drained
-    checkpoint; ``cached_blocks_truth`` is vLLM's own count of its cached blocks."""
-    return saturated_start.result(timeout=SATURATED_READY_TIMEOUT_S)
-
-
-@pytest.fixture(scope="session")
-def leaking_engine(tmp_path_factory: pytest.TempPathFactory,
-                   saturated_start: Future[SaturatedEngine]) -> Iterator[ObservedEngine]:
-    """The real sidecar in front of a real vLLM server that leaked KV blocks (``dp0``);
-    ``saturated_start`` only makes the saturated server start beside this one.
-
-    The server runs with the chaos scheduler's opt-in faults (in vLLM's own paths):
-    ``refcount_bump=1`` (the first finishing request's last block keeps a reference nobody
-    owns: deterministic) and ``skip_free_on_abort=1`` (the first request a hanging-up
-    client aborts keeps its blocks).
-    The sidecar is the real ``kvguard sidecar`` command, started as its own process.
+    Both ranks run the chaos scheduler, but only rank 1 arms its faults
+    (``KVGUARD_FAULTS_DP_RANKS=1``): ``refcount_bump=1`` (the first finishing request's
+    last block keeps a reference nobody owns: deterministic) and ``skip_free_on_abort=1``
+    (the first request a hanging-up client aborts keeps its blocks). Rank 0 is healthy and
+    its prefix cache is filled until saturated. Every request names its rank
+    (``X-data-parallel-rank``).
     """
     root = tmp_path_factory.mktemp("observability")
     run_dir = root / "run"
     spec = EngineSpec(model_dir=make_tiny_model(root / "model"), max_num_seqs=8,
-                      extra={"scheduler_cls": SCHEDULER_CLS})  # the faults' scheduler
+                      extra={"scheduler_cls": SCHEDULER_CLS, "data_parallel_size": DATA_PARALLEL_SIZE})
     # The workload is short (a few hundred engine steps): the online audit gets 5 % of
     # scheduler time (default 0.5 %) so that its sweeps complete and its series exist.
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
-           "KVGUARD_ENGINE_NAME": "dp0", "KVGUARD_ALLOW_FAULTS": "1",
+           "KVGUARD_ENGINE_NAME": ENGINE_NAME, "KVGUARD_ALLOW_FAULTS": "1",
            "KVGUARD_FAULTS": "refcount_bump=1,skip_free_on_abort=1",
+           "KVGUARD_FAULTS_DP_RANKS": str(LEAKING_RANK),
            "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
     with ServerProcess(spec, log_path=root / "server.log", env=env,
                        health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S) as server:
-        warm_up(server.base_url, spec.served_model_name)
-        run_workload(server.base_url, spec.served_model_name, shared_prefix_streams=8,
-                     disconnecting_streams=4)
-        # One more request to its end: vLLM publishes its pool usage after each step, and
-        # an abort frees outside a step; the engine drains again after this one.
-        settle = time.time()
-        warm_up(server.base_url, spec.served_model_name)
-        state = wait_for_checkpoint(run_dir, after=settle, engine=LEAKING)
-        assert state.latest_report is not None and state.latest_report.verdict.value == "leak"
-        assert state.online is not None and state.online.sweeps_total >= 2, state.online
-        with _sidecar(run_dir, engines=1) as metrics_url:
-            yield ObservedEngine(name=LEAKING, vllm_url=server.base_url,
-                                 sidecar_metrics_url=metrics_url, run_dir=run_dir)
+        model = spec.served_model_name
+        cached = _fill_saturated(server.base_url, model, run_dir, spec.block_size)
+        _leak(server.base_url, model, run_dir)
+        with _sidecar(run_dir, engines=2) as metrics_url:
+            yield DataParallelServer(base_url=server.base_url, run_dir=run_dir,
+                                     sidecar_metrics_url=metrics_url,
+                                     cached_blocks_truth=cached)
+
+
+@pytest.fixture(scope="session")
+def saturated_engine(dp_server: DataParallelServer) -> SaturatedEngine:
+    """Rank 0: healthy, its prefix cache saturated, judged ``saturated`` at a drained
+    checkpoint; ``cached_blocks_truth`` is vLLM's own count of its cached blocks."""
+    return SaturatedEngine(name=SATURATED, vllm_url=dp_server.base_url,
+                           vllm_engine=str(SATURATED_RANK),
+                           sidecar_metrics_url=dp_server.sidecar_metrics_url,
+                           run_dir=dp_server.run_dir,
+                           cached_blocks_truth=dp_server.cached_blocks_truth)
+
+
+@pytest.fixture(scope="session")
+def leaking_engine(dp_server: DataParallelServer) -> ObservedEngine:
+    """Rank 1: the faults fired there, so it holds KV blocks nobody will free."""
+    return ObservedEngine(name=LEAKING, vllm_url=dp_server.base_url,
+                          vllm_engine=str(LEAKING_RANK),
+                          sidecar_metrics_url=dp_server.sidecar_metrics_url,
+                          run_dir=dp_server.run_dir)
 
 
 @pytest.fixture(scope="session")
@@ -236,12 +245,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
-    """A real Prometheus (Debian 2.42) scraping both sidecars every second, with the
+    """A real Prometheus (Debian 2.42) scraping the sidecar every second, with the
     kvguard alert rules loaded and evaluated every second."""
     binary = prometheus_binary()
     work = tmp_path_factory.mktemp("prometheus")
-    targets = [urllib.parse.urlsplit(e.sidecar_metrics_url)
-               for e in (leaking_engine, saturated_engine)]
+    targets = [urllib.parse.urlsplit(u) for u in sorted(
+        {e.sidecar_metrics_url for e in (leaking_engine, saturated_engine)})]
     assert {t.path for t in targets} == {"/metrics"}, targets
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},

@@ -1,10 +1,11 @@
 """The Grafana dashboard: its structure, and every panel query run on a real Prometheus.
 
-Prometheus (Debian 2.42) scrapes two real engines' sidecars (see conftest.py: ``dp0`` leaks,
-``sat`` is healthy with a saturated prefix cache) every second with the kvguard alert rules
-loaded; each panel query is evaluated through ``/api/v1/query`` with the template variables
-expanded the way Grafana does when "All" is selected. Panel values are compared with
-vLLM's own numbers, read from each vLLM server's ``/metrics``.
+Prometheus (Debian 2.42) scrapes the sidecar of a real data-parallel server (see
+conftest.py: rank ``obs-dp1`` leaks, rank ``obs-dp0`` is healthy with a saturated prefix
+cache) every second with the kvguard alert rules loaded; each panel query is evaluated
+through ``/api/v1/query`` with the template variables expanded the way Grafana does when
+"All" is selected. Panel values are compared with vLLM's own numbers per rank, read from
+the vLLM server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ def _vllm_blocks_in_use(engine: ObservedEngine) -> int:
     """Blocks with a reference by vLLM's own numbers: ``kv_cache_usage_perc`` x capacity.
 
     At idle no request runs, so every one of them is lost to the pool (a leak)."""
-    used = vllm_value(engine.vllm_url, "vllm:kv_cache_usage_perc") * vllm_capacity_blocks(
-        engine.vllm_url)
+    used = vllm_value(engine.vllm_url, "vllm:kv_cache_usage_perc",
+                      engine.vllm_engine) * vllm_capacity_blocks(engine.vllm_url,
+                                                                 engine.vllm_engine)
     assert abs(used - round(used)) < 1e-6, used
     return round(used)
 
@@ -229,7 +231,7 @@ def test_pool_panel_matches_vllms_own_pool(scraped: PrometheusServer,
     states = _by_engine(_query(scraped, grafana_expand(states_q.expr)), "state")
     capacity = _by_engine(_query(scraped, grafana_expand(capacity_q.expr)))
     for engine in (leaking_engine, saturated_engine):
-        assert capacity[(engine.name,)] == vllm_capacity_blocks(engine.vllm_url)
+        assert capacity[(engine.name,)] == vllm_capacity_blocks(engine.vllm_url, engine.vllm_engine)
         assert states[(engine.name, "active")] == 0
         referenced = states[(engine.name, "held_by_finished")] + states[(engine.name, "orphaned")]
         assert referenced == _vllm_blocks_in_use(engine), engine.name
@@ -237,7 +239,8 @@ def test_pool_panel_matches_vllms_own_pool(scraped: PrometheusServer,
     ratio_q = _panel({"kvguard_cache_saturation_ratio"})
     ratio = _by_engine(_query(scraped, grafana_expand(ratio_q.expr)))
     assert ratio[(SATURATED,)] == pytest.approx(
-        saturated_engine.cached_blocks_truth / vllm_capacity_blocks(saturated_engine.vllm_url))
+        saturated_engine.cached_blocks_truth / vllm_capacity_blocks(saturated_engine.vllm_url,
+                                                            saturated_engine.vllm_engine))
 
 
 def test_pool_states_sum_to_capacity(scraped: PrometheusServer) -> None:

@@ -14,7 +14,9 @@ produce.
 Safety: with no plan armed it behaves exactly like vLLM's ``Scheduler`` (each override
 is one dictionary lookup, then ``super()``). A plan comes from :meth:`arm` (in-process) or
 from ``KVGUARD_ALLOW_FAULTS=1`` plus ``KVGUARD_FAULTS=<spec>`` (both keys, read once when
-the engine starts; ``KVGUARD_FAULTS`` alone refuses to start the engine).
+the engine starts; ``KVGUARD_FAULTS`` alone refuses to start the engine). In a data-parallel
+server every rank reads the same environment: ``KVGUARD_FAULTS_DP_RANKS=1`` (a comma list)
+arms only those ranks, so that a leaking rank can run beside a healthy one.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvguard.chaos.faults.plan import Fault, FaultPlan
+from kvguard.errors import ConfigError
+from kvguard.vllm_plugin.adapter import data_parallel_rank
 
 log = logging.getLogger("kvguard.faults")
 
@@ -61,7 +65,9 @@ class ChaosScheduler(Scheduler):
         allowed = os.environ.get("KVGUARD_ALLOW_FAULTS", "").strip().lower() in ("1", "true",
                                                                                  "yes", "on")
         if spec.strip():
-            self.arm(FaultPlan.parse(spec, allowed=allowed))
+            plan = FaultPlan.parse(spec, allowed=allowed)
+            if _this_rank_injects(self, os.environ.get("KVGUARD_FAULTS_DP_RANKS", "")):
+                self.arm(plan)
 
     # ---------------------------------------------------------------- arming
     def arm(self, plan: FaultPlan) -> None:
@@ -190,3 +196,17 @@ class ChaosScheduler(Scheduler):
                 blocks[i] = null  # out of the table, never freed
             return None
         return _remove_blocks_in_range
+
+
+def _this_rank_injects(scheduler: Scheduler, ranks: str) -> bool:
+    """Whether this engine core's data-parallel rank is in ``ranks`` ("1,3"; empty: all)."""
+    if not ranks.strip():
+        return True
+    try:
+        wanted = {int(r) for r in ranks.split(",") if r.strip()}
+    except ValueError:
+        raise ConfigError("KVGUARD_FAULTS_DP_RANKS", ranks,
+                          "a comma-separated list of data-parallel ranks, e.g. 1 or 0,2") \
+            from None
+    rank, _ = data_parallel_rank(scheduler)
+    return rank in wanted

@@ -143,6 +143,8 @@ class Sched:
         self.guard: EngineGuard = guard
         self.pool: Any = scheduler.kv_cache_manager.block_pool
         self.steps = 0
+        self.prefix_cache_hits = 0
+        """Prefix-cache hit tokens, summed from vLLM's own per-step scheduler stats."""
         self.requests: dict[str, Request] = {}
         """Every request added, by id (vLLM's own objects: status, ``num_preemptions``)."""
         self._n = 0
@@ -199,8 +201,12 @@ class Sched:
         mro = ModelRunnerOutput(req_ids=req_ids,
                                 req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
-        s.update_from_output(out, mro)
+        outputs = s.update_from_output(out, mro)
         self.steps += 1
+        for eco in outputs.values():
+            stats = getattr(eco, "scheduler_stats", None)
+            if stats is not None and stats.prefix_cache_stats is not None:
+                self.prefix_cache_hits += stats.prefix_cache_stats.hits
 
     def step_until(self, cond: Callable[[], bool], max_steps: int = 20_000) -> int:
         """Step until ``cond()``; ``max_steps`` only bounds a failure (steps are cheap)."""
@@ -246,4 +252,85 @@ def pool_is_idle(truth: PoolTruth, pool: Any) -> list[str]:
                    f"{truth.capacity}")
     if pool.free_block_queue.num_free_blocks != truth.capacity:
         why.append(f"free queue holds {pool.free_block_queue.num_free_blocks}")
+    return why
+
+
+class MixedLoad:
+    """A healthy workload on vLLM's own paths, stepped one engine step at a time.
+
+    Requests share 48-token prefixes in a few groups (prefix-cache hits), finish by length
+    or by their stop token, some are aborted mid-prefill or mid-decode, and a pool smaller
+    than the load needs makes vLLM preempt. ``concurrency`` requests are kept unfinished
+    while the load is on (more than ``max_num_seqs`` keeps some waiting: no drain).
+    """
+
+    def __init__(self, s: Sched, *, seed: int = 0, concurrency: int = 6,
+                 abort_every: int = 13) -> None:
+        import random
+
+        self.s = s
+        self.rng = random.Random(seed)
+        self.concurrency = concurrency
+        self.abort_every = abort_every
+        self.added = 0
+        self.aborted = 0
+
+    def live(self) -> list[str]:
+        return [rid for rid, r in self.s.requests.items() if not r.is_finished()]
+
+    def step(self, *, add: bool = True) -> None:
+        rng, s = self.rng, self.s
+        while add and len(self.live()) < self.concurrency:
+            self.added += 1
+            shared = prompt(5000 + rng.randrange(3), 48)
+            tokens = shared + prompt(self.added, rng.randint(1, 80))
+            s.add(tokens, rng.randint(1, 120),
+                  stop_after=rng.randint(1, 20) if rng.random() < 0.3 else None)
+        if add and s.steps % self.abort_every == self.abort_every - 1:
+            live = self.live()
+            if live:
+                s.abort(rng.choice(live))
+                self.aborted += 1
+        s.step()
+
+    def finish(self) -> None:
+        """Add nothing more; step until vLLM holds no unfinished request."""
+        self.s.step_until(lambda: not self.s.scheduler.has_unfinished_requests())
+
+
+def ledger_disagreement(s: Sched) -> list[str]:
+    """Where kvguard's ledger contradicts vLLM's own tables and ref counts ([] if nowhere).
+
+    First every table is claimed, as kvguard's audits do. Then each request's ledger
+    blocks must be its ``req_to_blocks`` (live or not), no other record may hold a block,
+    and per block the ledger's references (owners plus unattributed) must equal vLLM's
+    ``ref_cnt`` (null block aside). A double free the ledger recorded is a disagreement
+    too: vLLM never freed a reference it did not hold on these workloads.
+    """
+    from kvguard.core.types import BlockId, RequestId
+
+    truth = read_pool_truth(s.scheduler)
+    ledger = s.guard.ledger
+    for rid, ids in truth.tables.items():
+        ledger.claim(RequestId(rid), ids)
+    why: list[str] = []
+    for rid, ids in truth.tables.items():
+        rec = ledger.record(RequestId(rid))
+        owned = set(rec.blocks) if rec is not None else set()
+        if owned != set(ids):
+            why.append(f"{rid}: ledger {sorted(owned)} != vLLM's table {sorted(ids)}")
+    for rec in ledger.records():
+        if rec.blocks and rec.request_id not in truth.tables:
+            why.append(f"{rec.request_id} holds {sorted(rec.blocks)} in the ledger, no table")
+    nulls = {b.block_id for b in s.pool.blocks if b.is_null}
+    for b in s.pool.blocks:
+        if b.block_id in nulls:
+            continue
+        bid = BlockId(b.block_id)
+        refs = sum(ledger.owners_of(bid).values()) + ledger.unattributed_refs(bid)
+        if refs != b.ref_cnt:
+            why.append(f"block {b.block_id}: ledger {refs} references, vLLM ref_cnt {b.ref_cnt}")
+    if ledger.num_double_frees:
+        why.append(f"ledger recorded {ledger.num_double_frees} double frees: "
+                   f"{list(ledger.double_frees)[:5]}")
     return why

@@ -89,7 +89,7 @@ def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int
     (the null block included), built as EngineCore builds it, kvguard's plugin loaded."""
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # kvguard's entry point patches Scheduler.__init__ (idempotent)
+    load_general_plugins()  # type: ignore[no-untyped-call]  # kvguard's entry point patches Scheduler.__init__ (idempotent)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=2048, enable_chunked_prefill=True,
@@ -292,6 +292,14 @@ class MixedLoad:
                 s.abort(rng.choice(live))
                 self.aborted += 1
         s.step()
+
+    def run_until(self, cond: Callable[[], bool], max_steps: int = 20_000) -> None:
+        """Keep the load on until ``cond()``; ``max_steps`` only bounds a failure."""
+        for _ in range(max_steps):
+            if cond():
+                return
+            self.step()
+        raise AssertionError(f"condition not reached in {max_steps} steps of load")
 
     def finish(self) -> None:
         """Add nothing more; step until vLLM holds no unfinished request."""

@@ -89,7 +89,8 @@ def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int
     (the null block included), built as EngineCore builds it, kvguard's plugin loaded."""
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # type: ignore[no-untyped-call]  # kvguard's entry point patches Scheduler.__init__ (idempotent)
+    # kvguard's entry point patches Scheduler.__init__, as in EngineCore (idempotent).
+    load_general_plugins()  # type: ignore[no-untyped-call]
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=2048, enable_chunked_prefill=True,

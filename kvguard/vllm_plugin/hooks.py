@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import Any, Final
 
 from kvguard.core.types import RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
@@ -40,6 +40,14 @@ from kvguard.vllm_plugin.guard import EngineGuard
 log = logging.getLogger("kvguard")
 
 _MARK = "__kvguard_hook__"
+
+POOL_HOOKS: Final = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
+"""``BlockPool`` methods kvguard wraps (the table above), in install order."""
+SCHEDULER_HOOKS: Final = ("add_request", "_preempt_request", "_free_request",
+                          "_free_request_blocks", "_free_blocks", "finish_requests", "schedule",
+                          "update_from_output")
+"""``Scheduler`` methods kvguard wraps, in install order. A label in ``hooks_installed`` is
+``<class name>.<method>``; every method of both tuples is expected on each supported vLLM."""
 
 
 def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -120,10 +128,10 @@ def install_hooks(g: EngineGuard) -> None:
             return release
         return make
 
-    _wrap(g, pool, "get_new_blocks", make_get_new_blocks)
-    _wrap(g, pool, "touch", make_touch)
-    _wrap(g, pool, "free_blocks", make_release("free_blocks"))
-    _wrap(g, pool, "unpin_blocks", make_release("unpin_blocks"))
+    pool_makers = (make_get_new_blocks, make_touch, make_release("free_blocks"),
+                   make_release("unpin_blocks"))
+    for name, make in zip(POOL_HOOKS, pool_makers, strict=True):
+        _wrap(g, pool, name, make)
 
     # --- scheduler: lifecycle ----------------------------------------------
     def make_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -245,11 +253,8 @@ def install_hooks(g: EngineGuard) -> None:
             return ret
         return update_from_output
 
-    _wrap(g, sched, "add_request", make_add_request)
-    _wrap(g, sched, "_preempt_request", make_preempt)
-    _wrap(g, sched, "_free_request", make_free_request)
-    _wrap(g, sched, "_free_request_blocks", make_free_request_blocks)
-    _wrap(g, sched, "_free_blocks", make_free_blocks)
-    _wrap(g, sched, "finish_requests", make_step_end("finish_requests"))
-    _wrap(g, sched, "schedule", make_schedule)
-    _wrap(g, sched, "update_from_output", make_update_from_output)
+    sched_makers = (make_add_request, make_preempt, make_free_request,
+                    make_free_request_blocks, make_free_blocks, make_step_end("finish_requests"),
+                    make_schedule, make_update_from_output)
+    for name, make in zip(SCHEDULER_HOOKS, sched_makers, strict=True):
+        _wrap(g, sched, name, make)

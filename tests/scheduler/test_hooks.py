@@ -1,0 +1,48 @@
+"""kvguard attaches to this vLLM's real scheduler through its entry point, every hook on."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import vllm
+from _sched import Sched, prompt
+
+from kvguard.chaos.faults.scheduler import ChaosScheduler
+from kvguard.vllm_plugin.hooks import POOL_HOOKS, SCHEDULER_HOOKS
+
+
+@pytest.mark.parametrize("cls", ["Scheduler", "ChaosScheduler"])
+def test_every_hook_kvguard_expects_is_installed(sched: Callable[..., Sched], cls: str) -> None:
+    s = sched(**({"scheduler_cls": ChaosScheduler} if cls == "ChaosScheduler" else {}))
+    assert type(s.scheduler).__name__ == cls
+    assert s.guard.hooks_missing == []
+    assert sorted(s.guard.hooks_installed) == sorted(
+        [f"BlockPool.{m}" for m in POOL_HOOKS] + [f"{cls}.{m}" for m in SCHEDULER_HOOKS])
+    # Installed on vLLM's own objects, the ones vLLM calls.
+    for m in SCHEDULER_HOOKS:
+        assert getattr(getattr(s.scheduler, m), "__kvguard_hook__", False), m
+    for m in POOL_HOOKS:
+        assert getattr(getattr(s.pool, m), "__kvguard_hook__", False), m
+
+
+def test_the_published_state_names_this_vllm(sched: Callable[..., Sched]) -> None:
+    s = sched()
+    assert s.guard.state().engine_version == vllm.__version__
+
+
+def test_hooks_see_vllms_calls(sched: Callable[..., Sched]) -> None:
+    """Every lifecycle hook fires on vLLM's own paths (admit, preempt, finish, abort, free)."""
+    s = sched(num_blocks=24)  # 23 usable blocks: four 100-token requests must preempt
+    rids = [s.add(prompt(i, 100), 120) for i in range(4)]
+    s.step()
+    s.abort(rids[3])
+    s.run_to_completion()
+    assert s.preemptions > 0, "vLLM preempted nothing: the pool is not small enough"
+    events = s.guard.ledger.num_events
+    assert events["admit"] == 4, events
+    assert events["preempt"] == s.preemptions, events
+    assert events["finish"] == 4 and events["free"] == 4, events
+    assert events["finish_aborted"] == 1 and events["finish_length"] == 3, events
+    assert [s.status(r) for r in rids] == ["FINISHED_LENGTH_CAPPED"] * 3 + ["FINISHED_ABORTED"]
+    assert s.guard.errors.total == 0, s.guard.errors.by_hook

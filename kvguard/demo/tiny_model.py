@@ -170,3 +170,13 @@ def make_hybrid_model(directory: Path, *, name: str = "kvguard-tiny-hybrid") -> 
     return _write_model(directory / name, num_hidden_layers=2,
                         layer_types=["sliding_attention", "full_attention"],
                         sliding_window=SLIDING_WINDOW_TOKENS)
+
+
+def make_sliding_model(directory: Path, *, name: str = "kvguard-tiny-sliding") -> Path:
+    """Create the 2-layer model at ``directory / name`` whose layers are all sliding-window
+    (:data:`SLIDING_WINDOW_TOKENS`): one KV cache group, every block of a long request
+    freed while it runs. Idempotent, like :func:`make_tiny_model`.
+    """
+    return _write_model(directory / name, num_hidden_layers=2,
+                        layer_types=["sliding_attention", "sliding_attention"],
+                        sliding_window=SLIDING_WINDOW_TOKENS)

@@ -14,6 +14,7 @@ Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone
 ``Scheduler.finish_requests``                    abort/cancel from outside: a drain may follow
 ``Scheduler.update_from_output``                 end of a step: a drain may follow; online audit
 ``Scheduler.schedule``                           timed only: the online audit's budget basis
+``<Coordinator>.remove_skipped_blocks``          sliding-window frees, charged to their request
 ===============================================  =============================================
 
 Only ``schedule`` and ``update_from_output`` run on every step; the pool hooks run when blocks
@@ -36,6 +37,7 @@ from typing import Any, Final
 from kvguard.core.types import RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard
+from kvguard.vllm_plugin.pool_reader import counts_in
 
 log = logging.getLogger("kvguard")
 
@@ -47,7 +49,11 @@ SCHEDULER_HOOKS: Final = ("add_request", "_preempt_request", "_free_request",
                           "_free_request_blocks", "_free_blocks", "finish_requests", "schedule",
                           "update_from_output")
 """``Scheduler`` methods kvguard wraps, in install order. A label in ``hooks_installed`` is
-``<class name>.<method>``; every method of both tuples is expected on each supported vLLM."""
+``<class name>.<method>``; every method of the three tuples is expected on each supported
+vLLM."""
+COORDINATOR_HOOKS: Final = ("remove_skipped_blocks",)
+"""KV cache coordinator methods kvguard wraps: where blocks that slid out of a sliding
+window are freed (a no-op for full attention)."""
 
 
 def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -97,7 +103,7 @@ def install_hooks(g: EngineGuard) -> None:
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             ret = orig(*args, **kwargs)
             try:
-                allocated(owner[0], [b.block_id for b in ret])
+                allocated(owner[0], [b.block_id for b in ret if counts_in(b, pool)])
             except Exception as exc:
                 errors.record("get_new_blocks", exc)
             return ret
@@ -108,7 +114,7 @@ def install_hooks(g: EngineGuard) -> None:
             blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
             ret = orig(blocks, *args, **kwargs)
             try:
-                hit(owner[0], [b.block_id for b in blocks])
+                hit(owner[0], [b.block_id for b in blocks if counts_in(b, pool)])
             except Exception as exc:
                 errors.record("touch", exc)
             return ret
@@ -120,8 +126,7 @@ def install_hooks(g: EngineGuard) -> None:
                 blocks = blocks if isinstance(blocks, list) else list(blocks)
                 ret = orig(blocks, *args, **kwargs)
                 try:
-                    freed(owner[0], [b.block_id for b in blocks
-                                     if getattr(b, "pool", pool) in (pool, None)])
+                    freed(owner[0], [b.block_id for b in blocks if counts_in(b, pool)])
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret
@@ -253,6 +258,19 @@ def install_hooks(g: EngineGuard) -> None:
             return ret
         return update_from_output
 
+    def make_remove_skipped(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def remove_skipped_blocks(request_id: Any, *args: Any, **kwargs: Any) -> Any:
+            # Blocks that slid out of a sliding window (hybrid models) are freed here,
+            # inside allocate_slots or at finish, with no lifecycle call running: name
+            # the request, so that its reference is the one given back (guessing could
+            # take it off another request sharing the block through the prefix cache).
+            rid = RequestId(request_id) if isinstance(request_id, str) else owner[0]
+            return call_as(rid, orig, request_id, *args, **kwargs)
+        return remove_skipped_blocks
+
+    coordinator = getattr(g.kv_cache_manager, "coordinator", None)
+    for name, make in zip(COORDINATOR_HOOKS, (make_remove_skipped,), strict=True):
+        _wrap(g, coordinator, name, make)
     sched_makers = (make_add_request, make_preempt, make_free_request,
                     make_free_request_blocks, make_free_blocks, make_step_end("finish_requests"),
                     make_schedule, make_update_from_output)

@@ -52,22 +52,33 @@ def request_block_ids(kv_cache_manager: Any, request_id: str) -> list[int]:
     ``defaultdict``.
     """
     out: list[int] = []
+    pool = kv_cache_manager.block_pool
     for mgr in _single_type_managers(kv_cache_manager):
         blocks = mgr.req_to_blocks.get(request_id)
         if blocks:
-            out.extend(b.block_id for b in blocks if not getattr(b, "is_null", False))
+            out.extend(b.block_id for b in blocks if counts_in(b, pool))
     return out
+
+
+def counts_in(block: Any, pool: Any) -> bool:
+    """Whether a block table entry is one of ``pool``'s blocks: not the null block, and not
+    a block of another pool (a KV group bound to a private pool, e.g. a host pool, draws
+    its ids from that pool; the same id there is a different block). ``block.pool`` unset
+    (older vLLM) means the engine's one pool."""
+    if getattr(block, "is_null", False):
+        return False
+    owner = getattr(block, "pool", None)
+    return owner is None or owner is pool
 
 
 def all_request_tables(kv_cache_manager: Any) -> dict[str, list[int]]:
     """Every request's block ids, from the engine's own tables (for claiming at audits)."""
     out: dict[str, list[int]] = {}
+    pool = kv_cache_manager.block_pool
     for mgr in _single_type_managers(kv_cache_manager):
         for rid, blocks in mgr.req_to_blocks.items():
             if blocks:
-                out.setdefault(rid, []).extend(
-                    b.block_id for b in blocks if not getattr(b, "is_null", False)
-                )
+                out.setdefault(rid, []).extend(b.block_id for b in blocks if counts_in(b, pool))
     return out
 
 

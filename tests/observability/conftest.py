@@ -181,7 +181,8 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallel
     root = tmp_path_factory.mktemp("observability")
     run_dir = root / "run"
     spec = EngineSpec(model_dir=make_tiny_model(root / "model"), max_num_seqs=8,
-                      extra={"scheduler_cls": SCHEDULER_CLS, "data_parallel_size": DATA_PARALLEL_SIZE})
+                      extra={"scheduler_cls": SCHEDULER_CLS,
+                             "data_parallel_size": DATA_PARALLEL_SIZE})
     # The workload is short (a few hundred engine steps): the online audit gets 5 % of
     # scheduler time (default 0.5 %) so that its sweeps complete and its series exist.
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),

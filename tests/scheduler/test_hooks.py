@@ -9,7 +9,7 @@ import vllm
 from _sched import Sched, prompt
 
 from kvguard.chaos.faults.scheduler import ChaosScheduler
-from kvguard.vllm_plugin.hooks import POOL_HOOKS, SCHEDULER_HOOKS
+from kvguard.vllm_plugin.hooks import COORDINATOR_HOOKS, POOL_HOOKS, SCHEDULER_HOOKS
 
 
 @pytest.mark.parametrize("cls", ["Scheduler", "ChaosScheduler"])
@@ -17,13 +17,17 @@ def test_every_hook_kvguard_expects_is_installed(sched: Callable[..., Sched], cl
     s = sched(**({"scheduler_cls": ChaosScheduler} if cls == "ChaosScheduler" else {}))
     assert type(s.scheduler).__name__ == cls
     assert s.guard.hooks_missing == []
+    coordinator = s.scheduler.kv_cache_manager.coordinator
     assert sorted(s.guard.hooks_installed) == sorted(
-        [f"BlockPool.{m}" for m in POOL_HOOKS] + [f"{cls}.{m}" for m in SCHEDULER_HOOKS])
+        [f"BlockPool.{m}" for m in POOL_HOOKS] + [f"{cls}.{m}" for m in SCHEDULER_HOOKS]
+        + [f"{type(coordinator).__name__}.{m}" for m in COORDINATOR_HOOKS])
     # Installed on vLLM's own objects, the ones vLLM calls.
     for m in SCHEDULER_HOOKS:
         assert getattr(getattr(s.scheduler, m), "__kvguard_hook__", False), m
     for m in POOL_HOOKS:
         assert getattr(getattr(s.pool, m), "__kvguard_hook__", False), m
+    for m in COORDINATOR_HOOKS:
+        assert getattr(getattr(coordinator, m), "__kvguard_hook__", False), m
 
 
 def test_the_published_state_names_this_vllm(sched: Callable[..., Sched]) -> None:

@@ -56,6 +56,21 @@ COORDINATOR_HOOKS: Final = ("remove_skipped_blocks",)
 window are freed (a no-op for full attention)."""
 
 
+_NEVER_SKIPS: Final = "FullAttentionManager"
+"""vLLM's full-attention KV group manager: it never frees a block before the request
+ends (its subclasses, e.g. ring-buffer or R-SWA managers, may)."""
+
+
+def skips_blocks(coordinator: Any) -> bool:
+    """Whether some KV cache group of ``coordinator`` frees blocks while a request runs
+    (sliding window, chunked local attention, Mamba...): only then is
+    ``remove_skipped_blocks`` worth hooking. Unknown shapes count as yes."""
+    managers = getattr(coordinator, "single_type_managers", None)
+    if coordinator is None or not managers:
+        return coordinator is not None
+    return any(type(m).__name__ != _NEVER_SKIPS for m in managers)
+
+
 def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
     orig = getattr(obj, name, None)
     label = f"{type(obj).__name__}.{name}"
@@ -269,8 +284,9 @@ def install_hooks(g: EngineGuard) -> None:
         return remove_skipped_blocks
 
     coordinator = getattr(g.kv_cache_manager, "coordinator", None)
-    for name, make in zip(COORDINATOR_HOOKS, (make_remove_skipped,), strict=True):
-        _wrap(g, coordinator, name, make)
+    if skips_blocks(coordinator):  # else it runs per request per step for nothing
+        for name, make in zip(COORDINATOR_HOOKS, (make_remove_skipped,), strict=True):
+            _wrap(g, coordinator, name, make)
     sched_makers = (make_add_request, make_preempt, make_free_request,
                     make_free_request_blocks, make_free_blocks, make_step_end("finish_requests"),
                     make_schedule, make_update_from_output)

@@ -13,7 +13,8 @@ Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone
 ``Scheduler._free_blocks``                       the request is done (delayed free ends here)
 ``Scheduler.finish_requests``                    abort/cancel from outside: a drain may follow
 ``Scheduler.update_from_output``                 end of a step: a drain may follow; online audit
-``Scheduler.schedule``                           timed only: the online audit's budget basis
+``Scheduler.schedule``                           timed (the online audit's budget basis); the
+                                                 batch is in flight until its update
 ``<Coordinator>.remove_skipped_blocks``          sliding-window frees, charged to their request
 ===============================================  =============================================
 
@@ -244,6 +245,10 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             schedule_seconds[0] = perf_counter() - t0  # the online audit's budget basis
+            try:
+                vllm.on_scheduled(ret)
+            except Exception as exc:
+                errors.record("schedule", exc)
             return ret
         return schedule
 
@@ -252,6 +257,7 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             try:
+                vllm.on_output_processed(args[0] if args else kwargs.get("scheduler_output"))
                 g.on_step_end(step_seconds=schedule_seconds[0] + perf_counter() - t0)
             except Exception as exc:
                 errors.record("update_from_output", exc)

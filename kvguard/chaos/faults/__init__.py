@@ -35,8 +35,17 @@ Importing this package does not import vLLM; :mod:`.scheduler` does.
 from __future__ import annotations
 
 from kvguard.chaos.faults.plan import Fault, FaultPlan
+from kvguard.demo.scheduling import Scheduling
 
 SCHEDULER_CLS = "kvguard.chaos.faults.scheduler.ChaosScheduler"
 """``--scheduler-cls`` / ``scheduler_cls`` value that loads the faulty scheduler."""
+ASYNC_SCHEDULER_CLS = "kvguard.chaos.faults.scheduler.AsyncChaosScheduler"
+"""The same on vLLM's ``AsyncScheduler``, for engines with async scheduling."""
 
-__all__ = ["SCHEDULER_CLS", "Fault", "FaultPlan"]
+
+def scheduler_cls_for(scheduling: Scheduling) -> str:
+    """The chaos scheduler class for an engine's scheduling mode."""
+    return ASYNC_SCHEDULER_CLS if scheduling is Scheduling.ASYNC else SCHEDULER_CLS
+
+
+__all__ = ["ASYNC_SCHEDULER_CLS", "SCHEDULER_CLS", "Fault", "FaultPlan", "scheduler_cls_for"]

@@ -87,6 +87,11 @@ class EngineSpec:
     ``speculative_config`` (dicts; passed as JSON on the server command line)."""
 
     def __post_init__(self) -> None:
+        try:  # "async" from a command line or a test parameter is accepted as the enum
+            object.__setattr__(self, "scheduling", Scheduling(self.scheduling))
+        except ValueError:
+            raise ConfigError("scheduling", self.scheduling,
+                              " or ".join(m.value for m in Scheduling)) from None
         if self.block_size <= 0 or self.block_size % CPU_BLOCK_SIZE_MULTIPLE:
             raise ConfigError(
                 "block_size", self.block_size, f"a positive multiple of {CPU_BLOCK_SIZE_MULTIPLE}"

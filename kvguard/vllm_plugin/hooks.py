@@ -89,6 +89,9 @@ def install_hooks(g: EngineGuard) -> None:
     """The request whose lifecycle call is running (pool calls inside it are its)."""
     schedule_seconds = [0.0]
     """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
+    track_in_flight = [False]
+    """Count scheduled batches as in flight: only when ``update_from_output`` is hooked too
+    (else no batch would ever be seen processed, and no moment would count as drained)."""
     allocated, hit, freed = g.on_blocks_allocated, g.on_prefix_hit, g.on_blocks_freed
 
     def call_as(rid: RequestId | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -245,10 +248,11 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             schedule_seconds[0] = perf_counter() - t0  # the online audit's budget basis
-            try:
-                vllm.on_scheduled(ret)
-            except Exception as exc:
-                errors.record("schedule", exc)
+            if track_in_flight[0]:
+                try:
+                    vllm.on_scheduled(ret)
+                except Exception as exc:
+                    errors.record("schedule", exc)
             return ret
         return schedule
 
@@ -282,3 +286,4 @@ def install_hooks(g: EngineGuard) -> None:
                     make_schedule, make_update_from_output)
     for name, make in zip(SCHEDULER_HOOKS, sched_makers, strict=True):
         _wrap(g, sched, name, make)
+    track_in_flight[0] = f"{type(sched).__name__}.update_from_output" in g.hooks_installed

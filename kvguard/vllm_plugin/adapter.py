@@ -43,9 +43,10 @@ class VllmAdapter:
         self.kv_cache_manager = scheduler.kv_cache_manager
         self.block_pool = self.kv_cache_manager.block_pool
         self._pool = VllmPoolAccess(self.kv_cache_manager)
-        self._in_flight: deque[object] = deque(maxlen=_MAX_IN_FLIGHT)
+        self._in_flight: deque[tuple[object, bool]] = deque(maxlen=_MAX_IN_FLIGHT)
         """Scheduler outputs returned by ``schedule`` and not yet passed to
-        ``update_from_output``, oldest first (fed by the hooks)."""
+        ``update_from_output``, oldest first, each with whether it schedules any token
+        (fed by the hooks)."""
         rank, in_group = data_parallel_rank(scheduler)
         self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
                                         default_name=f"dp{rank}",
@@ -66,16 +67,26 @@ class VllmAdapter:
         return all_request_tables(self.kv_cache_manager)
 
     def on_scheduled(self, scheduler_output: object) -> None:
-        """``Scheduler.schedule`` returned this batch: it is in flight until its update."""
-        self._in_flight.append(scheduler_output)
+        """``Scheduler.schedule`` returned this batch: it is in flight until its update.
+
+        Only a batch that schedules tokens counts as work on the device (vLLM's own
+        deferred-free fence counts the same steps): while a finished request waits for its
+        KV transfer, async EngineCore keeps one empty batch queued at every update."""
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        self._in_flight.append((scheduler_output, not isinstance(tokens, int) or tokens > 0))
 
     def on_output_processed(self, scheduler_output: object) -> None:
         """``update_from_output`` processed this batch. EngineCore processes batches in
         the order it scheduled them, so older ones still listed are gone too (their step
         failed): a lost update cannot hold off drained checkpoints for good."""
-        if any(o is scheduler_output for o in self._in_flight):
-            while self._in_flight.popleft() is not scheduler_output:
+        if any(o is scheduler_output for o, _ in self._in_flight):
+            while self._in_flight.popleft()[0] is not scheduler_output:
                 pass
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Scheduled batches with tokens whose output vLLM has not processed yet."""
+        return sum(1 for _, has_tokens in self._in_flight if has_tokens)
 
     def activity(self) -> EngineActivity:
         s = self.scheduler
@@ -92,7 +103,7 @@ class VllmAdapter:
                               waiting=_qlen(getattr(s, "waiting", ())),
                               deferred_frees=_qlen(getattr(s, "deferred_frees", ())),
                               unfinished=unfinished, finished_held=tuple(held),
-                              batches_in_flight=len(self._in_flight))
+                              batches_in_flight=self.batches_in_flight)
 
     def finished_requests(self) -> dict[str, FinishReason]:
         requests: Mapping[str, Any] = getattr(self.scheduler, "requests", {}) or {}

@@ -47,14 +47,21 @@ def _greedy_tokens(h: Harness, prompts: list[list[int]], max_tokens: int) -> lis
     return [out[f"greedy-{i}"] for i in range(len(prompts))]
 
 
+def _working_batches(h: Harness) -> int:
+    """Batches in vLLM's batch queue that schedule tokens (an empty batch, which async
+    EngineCore queues to pass on finished request ids, runs nothing on the device)."""
+    queue = h.engine.engine_core.engine_core.batch_queue or ()
+    return sum(1 for _, output, _ in queue if output.total_num_scheduled_tokens > 0)
+
+
 def _record_checkpoint_moments(h: Harness) -> list[int]:
-    """Batches vLLM had in flight (its batch queue) each time kvguard audited a drained
-    pool."""
+    """Working batches vLLM had in flight (its batch queue) each time kvguard audited a
+    drained pool."""
     seen: list[int] = []
     real = h.guard.checkpoint_now
 
     def checkpoint_now(**kwargs: Any) -> CheckpointReport:
-        seen.append(h.batches_in_flight())
+        seen.append(_working_batches(h))
         return real(**kwargs)
 
     h.guard.checkpoint_now = checkpoint_now  # type: ignore[method-assign]
@@ -116,6 +123,7 @@ def test_a_request_finished_while_the_next_batch_still_carries_it_is_audited_aft
     assert not h.scheduler.requests and not h.scheduler.running
     [(_, in_flight_output, _)] = list(h.engine.engine_core.engine_core.batch_queue)
     assert internal in in_flight_output.num_scheduled_tokens  # vLLM's own queue carries it
+    assert _working_batches(h) == 1
     assert moments == [], "a drained checkpoint ran with a batch in flight"
     r = _drained_and_true(h)
     assert r.verdict in HEALTHY and not r.leaks, r.explanation

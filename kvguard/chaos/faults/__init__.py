@@ -24,10 +24,11 @@ Faults (what vLLM then does; the public report each mirrors):
 - ``sliding_window_removal_skips_free``: blocks that slid out of the window are nulled
   in the table but never freed (vllm PR #25431's path; vllm-ascend PR #10394).
 
-``deferred_frees`` exists in vLLM 0.32 only with async scheduling (or pipeline parallelism)
-plus a KV-consumer connector (``defer_block_free``); the CPU build forces synchronous
-scheduling, where vLLM never defers and never drains ``deferred_frees``. The fault
-therefore forces the deferral for its victim, and the parked entry is never released.
+``deferred_frees`` is used by vLLM 0.32 only with async scheduling (or pipeline
+parallelism) plus a KV-consumer connector (``defer_block_free``); otherwise vLLM never
+defers and never drains ``deferred_frees``. The fault forces the deferral for its victim
+(on the CPU default, synchronous, and on async engines without a KV consumer), and the
+parked entry is never released. With a KV consumer, vLLM's own fence would release it.
 
 Importing this package does not import vLLM; :mod:`.scheduler` does.
 """

@@ -34,8 +34,9 @@ class ScenarioResult(BaseModel):
 
     name: str
     scheduling: Scheduling = Scheduling.SYNC
-    """How the engine the scenario ran on really scheduled (read from vLLM, not the
-    request; see :func:`kvguard.demo.engine.scheduling_of`)."""
+    """How the engine the scenario ran on really scheduled, read from vLLM's EngineCore
+    (:func:`kvguard.demo.engine.scheduling_of`); the mode asked for when no engine could
+    be built."""
     injected: str
     reproduces: str = ""
     expected: str

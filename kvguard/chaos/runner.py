@@ -132,6 +132,7 @@ def run_in_this_process(name: str, workdir: Path,
         return base.model_copy(update={"status": status, "concluded": "-",
                                        "why": f"engine could not be built: {msg}",
                                        "seconds": time.monotonic() - t0})
+    base = base.model_copy(update={"scheduling": h.scheduling})  # what vLLM really ran
     try:
         evidence = s.drive(h)
         report = scored_report(s, h)

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence
-from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
+from kvguard.demo.engine import (
+    EngineSpec,
+    batches_in_flight,
+    build_engine,
+    scheduler_of,
+    scheduling_of,
+)
+from kvguard.demo.scheduling import Scheduling
 from kvguard.errors import KvguardError
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
 from kvguard.vllm_plugin.pool_reader import request_block_ids
@@ -70,6 +77,15 @@ class EngineHarness:
         """The ledger's lifecycle event counts after the warm-up (see :meth:`events`)."""
         self._n = 0
 
+    @property
+    def scheduling(self) -> Scheduling:
+        """How vLLM really schedules this engine (read from its EngineCore, not the spec)."""
+        return scheduling_of(self.engine)
+
+    def batches_in_flight(self) -> int:
+        """Scheduled batches whose output vLLM has not processed yet (its batch queue)."""
+        return batches_in_flight(self.engine)
+
     def add(self, tokens: list[int], max_tokens: int, rid: str | None = None) -> str:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -122,9 +138,12 @@ class EngineHarness:
                                max_seconds=max_seconds)
 
     def drain_scheduler(self, max_seconds: float = 600.0) -> None:
-        """Step until the scheduler holds no request at all (delayed frees included)."""
+        """Step until the scheduler holds no request at all (delayed frees included) and
+        no scheduled batch is in flight (with async scheduling, the last batch can still
+        carry a request that finished in the batch before it)."""
         self.step_until(lambda: not self.scheduler.requests and not self.scheduler.running
-                        and not len(self.scheduler.waiting), max_seconds=max_seconds)
+                        and not len(self.scheduler.waiting) and not self.batches_in_flight(),
+                        max_seconds=max_seconds)
 
     def events(self) -> Counter[str]:
         """The ledger's lifecycle event counts since the engine's warm-up."""

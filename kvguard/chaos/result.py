@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import LeakCause, LeakPath, Verdict
+from kvguard.demo.scheduling import Scheduling
 
 
 class Status(enum.StrEnum):
@@ -32,6 +33,10 @@ class ScenarioResult(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
+    scheduling: Scheduling = Scheduling.SYNC
+    """How the engine the scenario ran on really scheduled, read from vLLM's EngineCore
+    (:func:`kvguard.demo.engine.scheduling_of`); the mode asked for when no engine could
+    be built."""
     injected: str
     reproduces: str = ""
     expected: str
@@ -54,3 +59,27 @@ def summarize(report: CheckpointReport) -> tuple[str, list[LeakSummary]]:
             + (f" {lk.client_request_id}" if lk.client_request_id else "")
             + f" ({lk.blocks} blk)" for lk in leaks)
     return text, leaks
+
+
+def verdict_key(r: ScenarioResult) -> tuple[Status, Verdict | None,
+                                          frozenset[tuple[LeakCause, LeakPath]]]:
+    """What must not depend on the scheduling mode: the outcome, the verdict and the
+    (cause, path) of each finding. Request names and block counts may differ (vLLM's
+    scheduling picks, e.g., which request a preemption hits)."""
+    return r.status, r.verdict, frozenset((lk.cause, lk.path) for lk in r.leaks)
+
+
+def mode_disagreements(results: list[ScenarioResult]) -> list[str]:
+    """Scenarios whose sync and async runs (both present) differ in :func:`verdict_key`."""
+    by_name: dict[str, dict[Scheduling, ScenarioResult]] = {}
+    for r in results:
+        by_name.setdefault(r.name, {})[r.scheduling] = r
+    out: list[str] = []
+    for name, runs in by_name.items():
+        if len(runs) == 2 and verdict_key(runs[Scheduling.SYNC]) != verdict_key(
+                runs[Scheduling.ASYNC]):
+            out.append(f"{name}: sync {runs[Scheduling.SYNC].concluded or '-'} "
+                       f"({runs[Scheduling.SYNC].status.value}), async "
+                       f"{runs[Scheduling.ASYNC].concluded or '-'} "
+                       f"({runs[Scheduling.ASYNC].status.value})")
+    return out

@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvguard.chaos.harness import EngineHarness
-from kvguard.chaos.result import ScenarioResult, Status, summarize
+from kvguard.chaos.result import ScenarioResult, Status, mode_disagreements, summarize
 from kvguard.chaos.scenarios import NotExercised, Scenario, matrix
 from kvguard.chaos.truth import PoolTruth, disagreement
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause
+from kvguard.demo.scheduling import Scheduling
 from kvguard.vllm_plugin.request_ids import client_request_id
 
 SCENARIO_TIMEOUT_SECONDS = 240.0
@@ -84,15 +85,17 @@ def scenarios_for(workdir: Path) -> tuple[Path, dict[str, Scenario]]:
     return model, {s.name: s for s in found}
 
 
-def build_for(s: Scenario, model: Path) -> EngineHarness:
+def build_for(s: Scenario, model: Path,
+              scheduling: Scheduling = Scheduling.SYNC) -> EngineHarness:
     """A fresh real engine for ``s``: on the chaos scheduler (it records what vLLM did and
-    injects the scenario's faults in vLLM's own paths), with the scenario's settings."""
-    from kvguard.chaos.faults import SCHEDULER_CLS, FaultPlan
+    injects the scenario's faults in vLLM's own paths; its ``AsyncScheduler`` twin for
+    async scheduling), with the scenario's settings."""
+    from kvguard.chaos.faults import FaultPlan, scheduler_cls_for
     from kvguard.demo.engine import EngineSpec
 
-    overrides: dict[str, object] = {"model_dir": model, **s.engine}
+    overrides: dict[str, object] = {"model_dir": model, "scheduling": scheduling, **s.engine}
     overrides["extra"] = {**dict(s.engine.get("extra", {})),  # type: ignore[call-overload]
-                          "scheduler_cls": SCHEDULER_CLS}
+                          "scheduler_cls": scheduler_cls_for(scheduling)}
     h = EngineHarness(EngineSpec(**overrides))  # type: ignore[arg-type]
     h.guard.config = dataclasses.replace(
         h.guard.config, delayed_free_bound_seconds=s.delayed_free_bound_seconds,
@@ -112,21 +115,24 @@ def fault_victims(h: EngineHarness) -> frozenset[str]:
     return frozenset(client_request_id(rid) for _, rid in h.chaos.faults.fired)
 
 
-def run_in_this_process(name: str, workdir: Path) -> ScenarioResult:
+def run_in_this_process(name: str, workdir: Path,
+                        scheduling: Scheduling = Scheduling.SYNC) -> ScenarioResult:
     """Build the engine, drive the scenario, score kvguard's report against vLLM's pool."""
     model, scenarios = scenarios_for(workdir)
     s = scenarios[name]
-    base = ScenarioResult(name=s.name, injected=s.injected, reproduces=s.reproduces,
-                          expected=expected_text(s), concluded="", status=Status.ERROR)
+    base = ScenarioResult(name=s.name, scheduling=scheduling, injected=s.injected,
+                          reproduces=s.reproduces, expected=expected_text(s), concluded="",
+                          status=Status.ERROR)
     t0 = time.monotonic()
     try:
-        h = build_for(s, model)
+        h = build_for(s, model, scheduling)
     except Exception as exc:
         status = Status.UNSUPPORTED if s.may_be_unsupported else Status.ERROR
         msg = " ".join(str(exc).split())[:300] or type(exc).__name__
         return base.model_copy(update={"status": status, "concluded": "-",
                                        "why": f"engine could not be built: {msg}",
                                        "seconds": time.monotonic() - t0})
+    base = base.model_copy(update={"scheduling": h.scheduling})  # what vLLM really ran
     try:
         evidence = s.drive(h)
         report = scored_report(s, h)
@@ -157,8 +163,10 @@ def run_matrix(
     names: Sequence[str] | None,
     workdir: Path,
     progress: Callable[[int, int, ScenarioResult | None, str], None] | None = None,
+    schedulings: Sequence[Scheduling] = (Scheduling.SYNC,),
 ) -> list[ScenarioResult]:
-    """Each scenario in a child process (``python -m kvguard.chaos.worker``), one at a time."""
+    """Each scenario in a child process (``python -m kvguard.chaos.worker``), one at a time,
+    once per scheduling mode (a scenario's runs are adjacent, in the order given)."""
     all_names = [s.name for s in matrix()]
     chosen = list(names) if names else all_names
     unknown = sorted(set(chosen) - set(all_names))
@@ -167,52 +175,61 @@ def run_matrix(
 
         raise ConfigError("--only", ",".join(unknown), "scenario names from `kvguard chaos "
                                                         "--list`")
+    runs = [(name, mode) for name in chosen for mode in schedulings]
     results: list[ScenarioResult] = []
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "kvguard",
            "KVGUARD_RUN_DIR": str(workdir / "run")}
-    for i, name in enumerate(chosen):
+    for i, (name, mode) in enumerate(runs):
+        label = f"{name} [{mode.value}]"
         if progress is not None:
-            progress(i, len(chosen), None, name)
-        t0 = time.monotonic()
-        log = workdir / f"{name}.log"
-        try:
-            with log.open("wb") as out:
-                proc = subprocess.run(
-                    [sys.executable, "-m", "kvguard.chaos.worker", name, str(workdir)],
-                    stdout=subprocess.PIPE, stderr=out, env=env,
-                    timeout=SCENARIO_TIMEOUT_SECONDS, check=False)
-            line = next((ln for ln in proc.stdout.decode().splitlines()[::-1]
-                         if ln.startswith(RESULT_PREFIX)), None)
-            if line is None:
-                raise RuntimeError(f"worker exited {proc.returncode} without a result; "
-                                   f"see {log}")
-            result = ScenarioResult.model_validate(json.loads(line[len(RESULT_PREFIX):]))
-        except (subprocess.TimeoutExpired, RuntimeError) as exc:
-            s = next(s for s in matrix() if s.name == name)
-            result = ScenarioResult(name=name, injected=s.injected, reproduces=s.reproduces,
-                                    expected=expected_text(s), concluded="-",
-                                    status=Status.ERROR, why=str(exc)[:300],
-                                    seconds=time.monotonic() - t0)
-        results.append(result)
+            progress(i, len(runs), None, label)
+        results.append(_run_child(name, mode, workdir, env))
         if progress is not None:
-            progress(i + 1, len(chosen), result, name)
+            progress(i + 1, len(runs), results[-1], label)
     return results
 
 
+def _run_child(name: str, mode: Scheduling, workdir: Path,
+               env: dict[str, str]) -> ScenarioResult:
+    t0 = time.monotonic()
+    log = workdir / (f"{name}.log" if mode is Scheduling.SYNC else f"{name}.{mode.value}.log")
+    try:
+        with log.open("wb") as out:
+            proc = subprocess.run(
+                [sys.executable, "-m", "kvguard.chaos.worker", name, str(workdir), mode.value],
+                stdout=subprocess.PIPE, stderr=out, env=env,
+                timeout=SCENARIO_TIMEOUT_SECONDS, check=False)
+        line = next((ln for ln in proc.stdout.decode().splitlines()[::-1]
+                     if ln.startswith(RESULT_PREFIX)), None)
+        if line is None:
+            raise RuntimeError(f"worker exited {proc.returncode} without a result; see {log}")
+        return ScenarioResult.model_validate(json.loads(line[len(RESULT_PREFIX):]))
+    except (subprocess.TimeoutExpired, RuntimeError) as exc:
+        s = next(s for s in matrix() if s.name == name)
+        return ScenarioResult(name=name, scheduling=mode, injected=s.injected,
+                              reproduces=s.reproduces, expected=expected_text(s),
+                              concluded="-", status=Status.ERROR, why=str(exc)[:300],
+                              seconds=time.monotonic() - t0)
+
+
 def render_table(results: Sequence[ScenarioResult]) -> str:
-    rows = [("SCENARIO", "INJECTED", "EXPECTED", "KVGUARD CONCLUDED", "RESULT")]
+    rows = [("SCENARIO", "MODE", "INJECTED", "EXPECTED", "KVGUARD CONCLUDED", "RESULT")]
     for r in results:
         mark = {Status.PASSED: "ok", Status.FAILED: "WRONG", Status.ERROR: "ERROR",
                 Status.UNSUPPORTED: "unsupported"}[r.status]
-        rows.append((r.name, r.injected, r.expected, r.concluded or "-", mark))
-    widths = [min(48, max(len(row[i]) for row in rows)) for i in range(5)]
+        rows.append((r.name, r.scheduling.value, r.injected, r.expected, r.concluded or "-",
+                     mark))
+    widths = [min(48, max(len(row[i]) for row in rows)) for i in range(len(rows[0]))]
     lines = ["  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths, strict=True))
              for row in rows]
     for r in results:
         if r.why:
-            lines.append(f"  {r.name}: {r.why}")
+            lines.append(f"  {r.name} [{r.scheduling.value}]: {r.why}")
     passed = sum(r.status is Status.PASSED for r in results)
     unsupported = sum(r.status is Status.UNSUPPORTED for r in results)
     lines.append(f"{passed} passed, {len(results) - passed - unsupported} failed"
                  + (f", {unsupported} unsupported on this build" if unsupported else ""))
+    differ = mode_disagreements(list(results))
+    if differ:
+        lines.append("sync and async verdicts differ: " + "; ".join(differ))
     return "\n".join(lines)

@@ -249,7 +249,10 @@ def _double_free_on_abort(h: EngineHarness) -> str:
     h.add(prompt(1150, 70), max_tokens=60, rid=victim)
     h.step_until(lambda: h.blocks_of(victim) >= 3)
     held = h.blocks_of(victim)
-    h.abort(victim)  # the engine drains here; its pool is now corrupt, so stop stepping
+    h.abort(victim)  # the pool is now corrupt: step no further than the batch in flight
+    # With async scheduling the batch scheduled before the abort still runs; the engine
+    # drains once it is processed (nothing else is scheduled, so nothing is allocated).
+    h.step_until(lambda: not h.batches_in_flight())
     _require_aborted(h, [victim])
     _require_fired(h, Fault.DOUBLE_FREE_ON_ABORT)
     return f"{victim} aborted holding {held} blocks, each freed twice"

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvguard.config import KvguardConfig
+from kvguard.demo.scheduling import Scheduling
 from kvguard.errors import KvguardError
 from kvguard.transport.reader import read_run_dir
 
@@ -56,9 +57,11 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
 def _cmd_chaos(args: argparse.Namespace) -> int:
     import tempfile
 
-    from kvguard.chaos.result import ScenarioResult, Status
+    from kvguard.chaos.result import ScenarioResult, Status, mode_disagreements
     from kvguard.chaos.runner import expected_text, render_table, run_matrix
     from kvguard.chaos.scenarios import matrix
+
+    modes = list(Scheduling) if args.scheduling == "both" else [Scheduling(args.scheduling)]
 
     if args.list:
         for s in matrix():
@@ -91,13 +94,13 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvguard-chaos-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        results = run_matrix(only, workdir, progress)
+        results = run_matrix(only, workdir, progress, schedulings=modes)
     print(render_table(results))
     if args.json:
         Path(args.json).write_text(json.dumps([r.model_dump(mode="json") for r in results],
                                               indent=2))
     bad = [r for r in results if r.status in (Status.FAILED, Status.ERROR)]
-    return 1 if bad else 0
+    return 1 if bad or mode_disagreements(results) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--only", help="comma-separated scenario names")
     ch.add_argument("--json", help="write the results as JSON to this file (for CI)")
     ch.add_argument("--workdir", help="keep models, logs and state here")
+    ch.add_argument("--scheduling", choices=[*(m.value for m in Scheduling), "both"],
+                    default="sync", help="vLLM's scheduling mode for the embedded engine: "
+                    "sync, async (the CPU build's override undone, AsyncScheduler with a "
+                    "batch queue) or both (each scenario twice; fails if the verdicts differ)")
     ch.add_argument("--url", help="run the client-side scenarios against this vLLM server "
                     "(staging) instead of the embedded engine")
     ch.add_argument("--sidecar", help="with --url: that deployment's kvguard sidecar URL")

@@ -64,6 +64,11 @@ class EngineActivity:
     unfinished: str | None
     """A request the engine still tracks that has not finished, if any."""
     finished_held: tuple[str, ...] = ()
+    batches_in_flight: int = 0
+    """Batches the engine has scheduled whose output it has not processed yet (async
+    scheduling keeps one running while it schedules the next). A drained moment needs 0:
+    the device then has no batch of the engine's own to finish, so a checkpoint's
+    device synchronize does not wait on one, and nothing still writes a freed block."""
 
     @property
     def live_work(self) -> bool:

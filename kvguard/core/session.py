@@ -264,6 +264,10 @@ class GuardSession:
         act = self.adapter.activity()
         if act.running or act.waiting:
             return f"{act.running} running, {act.waiting} waiting", True
+        if act.batches_in_flight:
+            # No live work, but a scheduled batch is still running (async scheduling): it
+            # ends at the next step end, which checks again (drain_pending stays set).
+            return f"{act.batches_in_flight} scheduled batch(es) still in flight", False
         if act.deferred_frees:
             return f"{act.deferred_frees} deferred frees pending (in-flight step)", False
         if act.unfinished is not None:

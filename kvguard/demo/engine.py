@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
+from kvguard.demo.scheduling import Scheduling, requesting_async, server_env
 from kvguard.demo.warmup import WarmupError, warm_up_engine, warm_up_server
 from kvguard.errors import ConfigError, KvguardError
 
@@ -76,11 +77,21 @@ class EngineSpec:
     enforce_eager: bool = True
     """Skip torch.compile: with it, engine start takes about 25 s instead of 4 s here."""
     seed: int = 0
+    scheduling: Scheduling = Scheduling.SYNC
+    """``async``: vLLM's async scheduling (``AsyncScheduler``, a batch queue of 2), which
+    the CPU build forces off unless the test tooling undoes it
+    (:mod:`kvguard.demo.scheduling`). A ``scheduler_cls`` in ``extra`` must then be an
+    ``AsyncScheduler`` subclass (e.g. ``kvguard.chaos.faults.ASYNC_SCHEDULER_CLS``)."""
     extra: Mapping[str, object] = field(default_factory=dict)
     """Further ``EngineArgs`` keyword arguments, e.g. ``kv_transfer_config`` or
     ``speculative_config`` (dicts; passed as JSON on the server command line)."""
 
     def __post_init__(self) -> None:
+        try:  # "async" from a command line or a test parameter is accepted as the enum
+            object.__setattr__(self, "scheduling", Scheduling(self.scheduling))
+        except ValueError:
+            raise ConfigError("scheduling", self.scheduling,
+                              " or ".join(m.value for m in Scheduling)) from None
         if self.block_size <= 0 or self.block_size % CPU_BLOCK_SIZE_MULTIPLE:
             raise ConfigError(
                 "block_size", self.block_size, f"a positive multiple of {CPU_BLOCK_SIZE_MULTIPLE}"
@@ -119,6 +130,7 @@ class EngineSpec:
             "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
             "enforce_eager": self.enforce_eager,
             "seed": self.seed,
+            **({"async_scheduling": True} if self.scheduling is Scheduling.ASYNC else {}),
             **self.extra,
         }
 
@@ -141,7 +153,10 @@ def build_engine(spec: EngineSpec) -> LLMEngine:
 
     Sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in ``os.environ`` for the rest of
     the process (vLLM caches its environment once an engine is up). Stats stay
-    on, so ``engine.get_metrics()`` reports vLLM's own counters. The engine has
+    on, so ``engine.get_metrics()`` reports vLLM's own counters. With
+    ``spec.scheduling`` async, the engine config is built with the CPU platform's
+    override undone, and a scheduler that cannot run async raises
+    :class:`~kvguard.errors.ConfigError` (see :func:`scheduling_of` for what ran). The engine has
     run its warm-up request (:mod:`kvguard.demo.warmup`: a long first prompt; the
     pool is all free and unhashed again). Release it with :func:`shutdown_engine`.
     """
@@ -154,9 +169,48 @@ def build_engine(spec: EngineSpec) -> LLMEngine:
         distributed_executor_backend="uni",
         disable_log_stats=False,
     )
-    engine = LLMEngine.from_engine_args(args)
+    if spec.scheduling is Scheduling.ASYNC:
+        with requesting_async():
+            engine = LLMEngine.from_engine_args(args)
+    else:
+        engine = LLMEngine.from_engine_args(args)
+    ran = scheduling_of(engine)
+    if ran is not spec.scheduling:
+        shutdown_engine(engine)
+        raise ConfigError(
+            "scheduling", spec.scheduling.value,
+            f"a configuration vLLM runs that way; it ran {ran.value} (an async engine needs "
+            "an AsyncScheduler subclass as scheduler_cls, e.g. "
+            "kvguard.chaos.faults.ASYNC_SCHEDULER_CLS)")
     warm_up_engine(engine)
     return engine
+
+
+def scheduling_of(engine: LLMEngine) -> Scheduling:
+    """How an in-process engine really schedules, read from vLLM's EngineCore: async when
+    its step function is ``step_with_batch_queue`` with a batch queue and its scheduler an
+    ``AsyncScheduler``; sync when none of these holds. Raises
+    :class:`~kvguard.errors.ConfigError` for a mix (e.g. a batch queue feeding a
+    synchronous scheduler: vLLM warns and runs it, with wrong placeholders)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    signs = (getattr(core, "batch_queue", None) is not None,
+             getattr(core, "step_fn", None) == getattr(core, "step_with_batch_queue", object()),
+             isinstance(scheduler_of(engine), AsyncScheduler))
+    if all(signs):
+        return Scheduling.ASYNC
+    if not any(signs):
+        return Scheduling.SYNC
+    raise ConfigError("engine", "batch queue, step_with_batch_queue, AsyncScheduler = "
+                      + ", ".join(map(str, signs)), "all three or none")
+
+
+def batches_in_flight(engine: LLMEngine) -> int:
+    """Batches an in-process EngineCore has scheduled whose output it has not yet fed to
+    ``update_from_output`` (its batch queue; always 0 with sync scheduling)."""
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    return len(getattr(core, "batch_queue", None) or ())
 
 
 def scheduler_of(engine: LLMEngine) -> Scheduler:
@@ -258,7 +312,7 @@ class ServerProcess:
             for key, value in os.environ.items()
             if key not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
         }
-        return {**inherited, **self._env}
+        return {**inherited, **server_env(self.spec.scheduling, inherited), **self._env}
 
     def start(self) -> None:
         """Start the server, wait for ``/health``; on failure stop it, raise ServerStartError."""

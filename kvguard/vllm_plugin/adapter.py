@@ -2,7 +2,10 @@
 
 Everything kvguard's session needs from vLLM v1 (0.32) and nothing else: the block
 pool and its tables (``pool_reader``), what the scheduler has in flight
-(``running``, ``waiting``, ``deferred_frees``, ``requests``), finish reasons, vLLM's
+(``running``, ``waiting``, ``deferred_frees``, ``requests``, and the batches scheduled
+but not yet processed, which async scheduling keeps in EngineCore's batch queue where
+the scheduler cannot see them: the hooks report each ``schedule`` and
+``update_from_output``), finish reasons, vLLM's
 request-id suffix, the KV connector's hold bound and the engine's identity. Every
 attribute is read with ``getattr`` so that a renamed field degrades to "unknown"
 rather than breaking the engine.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+from collections import deque
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -39,6 +43,10 @@ class VllmAdapter:
         self.kv_cache_manager = scheduler.kv_cache_manager
         self.block_pool = self.kv_cache_manager.block_pool
         self._pool = VllmPoolAccess(self.kv_cache_manager)
+        self._in_flight: deque[tuple[object, bool]] = deque(maxlen=_MAX_IN_FLIGHT)
+        """Scheduler outputs returned by ``schedule`` and not yet passed to
+        ``update_from_output``, oldest first, each with whether it schedules any token
+        (fed by the hooks)."""
         rank, in_group = data_parallel_rank(scheduler)
         self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
                                         default_name=f"dp{rank}",
@@ -58,6 +66,28 @@ class VllmAdapter:
     def request_tables(self) -> dict[str, list[int]]:
         return all_request_tables(self.kv_cache_manager)
 
+    def on_scheduled(self, scheduler_output: object) -> None:
+        """``Scheduler.schedule`` returned this batch: it is in flight until its update.
+
+        Only a batch that schedules tokens counts as work on the device (vLLM's own
+        deferred-free fence counts the same steps): while a finished request waits for its
+        KV transfer, async EngineCore keeps one empty batch queued at every update."""
+        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        self._in_flight.append((scheduler_output, not isinstance(tokens, int) or tokens > 0))
+
+    def on_output_processed(self, scheduler_output: object) -> None:
+        """``update_from_output`` processed this batch. EngineCore processes batches in
+        the order it scheduled them, so older ones still listed are gone too (their step
+        failed): a lost update cannot hold off drained checkpoints for good."""
+        if any(o is scheduler_output for o, _ in self._in_flight):
+            while self._in_flight.popleft()[0] is not scheduler_output:
+                pass
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Scheduled batches with tokens whose output vLLM has not processed yet."""
+        return sum(1 for _, has_tokens in self._in_flight if has_tokens)
+
     def activity(self) -> EngineActivity:
         s = self.scheduler
         requests: Mapping[str, Any] = getattr(s, "requests", {}) or {}
@@ -72,7 +102,8 @@ class VllmAdapter:
         return EngineActivity(running=_qlen(getattr(s, "running", ())),
                               waiting=_qlen(getattr(s, "waiting", ())),
                               deferred_frees=_qlen(getattr(s, "deferred_frees", ())),
-                              unfinished=unfinished, finished_held=tuple(held))
+                              unfinished=unfinished, finished_held=tuple(held),
+                              batches_in_flight=self.batches_in_flight)
 
     def finished_requests(self) -> dict[str, FinishReason]:
         requests: Mapping[str, Any] = getattr(self.scheduler, "requests", {}) or {}
@@ -100,6 +131,9 @@ class VllmAdapter:
             return list(said)
         return []
 
+
+_MAX_IN_FLIGHT: Final = 16
+"""More batches than any EngineCore queues (async: 2, pipeline parallel: its size + 1)."""
 
 _DP_PROCESS_PREFIX: Final = "EngineCore_DP"
 """vLLM names an engine core process ``EngineCore_DP<rank>`` when it serves a data-parallel

@@ -13,7 +13,8 @@ Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone
 ``Scheduler._free_blocks``                       the request is done (delayed free ends here)
 ``Scheduler.finish_requests``                    abort/cancel from outside: a drain may follow
 ``Scheduler.update_from_output``                 end of a step: a drain may follow; online audit
-``Scheduler.schedule``                           timed only: the online audit's budget basis
+``Scheduler.schedule``                           timed (the online audit's budget basis); the
+                                                 batch is in flight until its update
 ``<Coordinator>.remove_skipped_blocks``          sliding-window frees, charged to their request
 ===============================================  =============================================
 
@@ -103,6 +104,9 @@ def install_hooks(g: EngineGuard) -> None:
     """The request whose lifecycle call is running (pool calls inside it are its)."""
     schedule_seconds = [0.0]
     """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
+    track_in_flight = [False]
+    """Count scheduled batches as in flight: only when ``update_from_output`` is hooked too
+    (else no batch would ever be seen processed, and no moment would count as drained)."""
     allocated, hit, freed = g.on_blocks_allocated, g.on_prefix_hit, g.on_blocks_freed
 
     def call_as(rid: RequestId | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -259,6 +263,11 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             schedule_seconds[0] = perf_counter() - t0  # the online audit's budget basis
+            if track_in_flight[0]:
+                try:
+                    vllm.on_scheduled(ret)
+                except Exception as exc:
+                    errors.record("schedule", exc)
             return ret
         return schedule
 
@@ -267,6 +276,7 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             try:
+                vllm.on_output_processed(args[0] if args else kwargs.get("scheduler_output"))
                 g.on_step_end(step_seconds=schedule_seconds[0] + perf_counter() - t0)
             except Exception as exc:
                 errors.record("update_from_output", exc)
@@ -292,3 +302,4 @@ def install_hooks(g: EngineGuard) -> None:
                     make_schedule, make_update_from_output)
     for name, make in zip(SCHEDULER_HOOKS, sched_makers, strict=True):
         _wrap(g, sched, name, make)
+    track_in_flight[0] = f"{type(sched).__name__}.update_from_output" in g.hooks_installed

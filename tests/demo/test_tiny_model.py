@@ -143,6 +143,23 @@ def test_server_args_spell_the_spec_as_vllm_flags(tmp_path: Path) -> None:
     assert "--enable-prefix-caching" in args and "--enforce-eager" in args
 
 
+def test_async_scheduling_is_asked_for_on_the_command_line_and_in_the_servers_env(
+    tmp_path: Path,
+) -> None:
+    from kvguard.demo.scheduling import ASYNC_ENV, SITE_DIR, Scheduling, server_env
+
+    sync = EngineSpec(tmp_path / "m")
+    asynchronous = EngineSpec(tmp_path / "m", scheduling="async")  # type: ignore[arg-type]
+    assert asynchronous.scheduling is Scheduling.ASYNC
+    assert "--async-scheduling" in asynchronous.server_args()
+    assert not any("async-scheduling" in a for a in sync.server_args())
+    env = server_env(Scheduling.ASYNC, {"PYTHONPATH": "/src"})
+    assert env == {ASYNC_ENV: "1", "PYTHONPATH": f"{SITE_DIR}:/src"}
+    assert (SITE_DIR / "sitecustomize.py").is_file() and server_env(Scheduling.SYNC, {}) == {}
+    with pytest.raises(ConfigError, match="scheduling"):
+        EngineSpec(tmp_path, scheduling="overlap")  # type: ignore[arg-type]
+
+
 @pytest.mark.engine
 def test_a_built_engine_has_served_a_long_warm_up_prompt_and_its_pool_is_free_again(
     built: Built,

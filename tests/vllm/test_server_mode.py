@@ -8,19 +8,28 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvguard.core.types import Verdict
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
+from kvguard.demo.scheduling import Scheduling
 from kvguard.demo.tiny_model import make_tiny_model
 from kvguard.demo.warmup import WARMUP_REQUESTS
 from kvguard.demo.workload import run_workload
 
+# vLLM's default scheduler class in each mode, as kvguard hooked it inside EngineCore: the
+# server's own processes undid the CPU platform's override (async), or did not (sync).
+SCHEDULER_CLASS = {Scheduling.SYNC: "Scheduler", Scheduling.ASYNC: "AsyncScheduler"}
 
+
+@pytest.mark.parametrize("scheduling", list(Scheduling))
 def test_server_with_plugin_publishes_a_report_and_disconnects_leave_no_leak(
-    tmp_path: Path,
+    tmp_path: Path, scheduling: Scheduling,
 ) -> None:
     run_dir = tmp_path / "run"
-    spec = EngineSpec(model_dir=make_tiny_model(tmp_path / "model"), max_num_seqs=8)
+    spec = EngineSpec(model_dir=make_tiny_model(tmp_path / "model"), max_num_seqs=8,
+                      scheduling=scheduling)
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
            "KVGUARD_ENGINE_NAME": "demo"}
     with ServerProcess(spec, log_path=tmp_path / "server.log", env=env) as server:
@@ -40,6 +49,7 @@ def test_server_with_plugin_publishes_a_report_and_disconnects_leave_no_leak(
             state = wait_for_checkpoint(run_dir, after=0.0)
         # The report came out of the EngineCore process, not this one.
         assert state.pid != server.pid
+        assert f"{SCHEDULER_CLASS[scheduling]}.update_from_output" in state.hooks_installed
     report = state.latest_report
     assert report is not None
     assert report.verdict in (Verdict.CLEAN, Verdict.SATURATED), report.explanation

@@ -24,10 +24,11 @@ Faults (what vLLM then does; the public report each mirrors):
 - ``sliding_window_removal_skips_free``: blocks that slid out of the window are nulled
   in the table but never freed (vllm PR #25431's path; vllm-ascend PR #10394).
 
-``deferred_frees`` exists in vLLM 0.32 only with async scheduling (or pipeline parallelism)
-plus a KV-consumer connector (``defer_block_free``); the CPU build forces synchronous
-scheduling, where vLLM never defers and never drains ``deferred_frees``. The fault
-therefore forces the deferral for its victim, and the parked entry is never released.
+``deferred_frees`` is used by vLLM 0.32 only with async scheduling (or pipeline
+parallelism) plus a KV-consumer connector (``defer_block_free``); otherwise vLLM never
+defers and never drains ``deferred_frees``. The fault forces the deferral for its victim
+(on the CPU default, synchronous, and on async engines without a KV consumer), and the
+parked entry is never released. With a KV consumer, vLLM's own fence would release it.
 
 Importing this package does not import vLLM; :mod:`.scheduler` does.
 """
@@ -35,8 +36,17 @@ Importing this package does not import vLLM; :mod:`.scheduler` does.
 from __future__ import annotations
 
 from kvguard.chaos.faults.plan import Fault, FaultPlan
+from kvguard.demo.scheduling import Scheduling
 
 SCHEDULER_CLS = "kvguard.chaos.faults.scheduler.ChaosScheduler"
 """``--scheduler-cls`` / ``scheduler_cls`` value that loads the faulty scheduler."""
+ASYNC_SCHEDULER_CLS = "kvguard.chaos.faults.scheduler.AsyncChaosScheduler"
+"""The same on vLLM's ``AsyncScheduler``, for engines with async scheduling."""
 
-__all__ = ["SCHEDULER_CLS", "Fault", "FaultPlan"]
+
+def scheduler_cls_for(scheduling: Scheduling) -> str:
+    """The chaos scheduler class for an engine's scheduling mode."""
+    return ASYNC_SCHEDULER_CLS if scheduling is Scheduling.ASYNC else SCHEDULER_CLS
+
+
+__all__ = ["ASYNC_SCHEDULER_CLS", "SCHEDULER_CLS", "Fault", "FaultPlan", "scheduler_cls_for"]

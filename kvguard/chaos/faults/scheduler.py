@@ -1,11 +1,13 @@
 """``ChaosScheduler``: vLLM's own ``Scheduler`` with faults in its code paths, below kvguard.
 
 Load it with ``--scheduler-cls kvguard.chaos.faults.scheduler.ChaosScheduler`` (server) or
-``scheduler_cls=...`` (``EngineArgs``, in-process). kvguard's plugin attaches to it like to
-any scheduler and wraps the *subclass's* methods from outside, so kvguard sees only what
-this (faulty) vLLM does: a fault is never announced to kvguard, and no kvguard code knows
-that faults exist. Faults in the KV cache manager's single-type managers are per-instance
-patches of vLLM methods that kvguard does not hook at all.
+``scheduler_cls=...`` (``EngineArgs``, in-process); with async scheduling,
+``AsyncChaosScheduler`` (the same faults on vLLM's ``AsyncScheduler``). kvguard's
+plugin attaches to it like to any scheduler and wraps the *subclass's* methods from
+outside, so kvguard sees only what this (faulty) vLLM does: a fault is never announced
+to kvguard, and no kvguard code knows that faults exist. Faults in the KV cache
+manager's single-type managers are per-instance patches of vLLM methods that kvguard
+does not hook at all.
 
 It also records what vLLM itself did (finish statuses, preemptions, faults fired), read
 from vLLM's request objects: ground truth for the chaos matrix that kvguard did not
@@ -27,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
@@ -196,6 +199,16 @@ class ChaosScheduler(Scheduler):
                 blocks[i] = null  # out of the table, never freed
             return None
         return _remove_blocks_in_range
+
+
+class AsyncChaosScheduler(ChaosScheduler, AsyncScheduler):
+    """:class:`ChaosScheduler` on vLLM's ``AsyncScheduler`` (the same faults and records).
+
+    vLLM runs a batch queue only for an ``AsyncScheduler``; a custom ``Scheduler`` subclass
+    would silently run without async scheduling. Method order: this class, the chaos
+    overrides, ``AsyncScheduler``, ``Scheduler``: every ``super()`` call of the chaos
+    overrides reaches the async scheduler's own code.
+    """
 
 
 def _this_rank_injects(scheduler: Scheduler, ranks: str) -> bool:

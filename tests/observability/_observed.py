@@ -79,3 +79,13 @@ def vllm_capacity_blocks(vllm_url: str, rank: int | str) -> int:
     total = int(labels["num_gpu_blocks"])
     assert total % DATA_PARALLEL_SIZE == 0, total
     return total // DATA_PARALLEL_SIZE - 1
+
+
+def vllm_blocks_in_use(engine: ObservedEngine) -> int:
+    """Blocks with a reference by vLLM's own numbers for this rank:
+    ``kv_cache_usage_perc`` x capacity. At idle no request runs, so every one of them is
+    lost to the pool (a leak)."""
+    used = vllm_value(engine.vllm_url, "vllm:kv_cache_usage_perc", engine.vllm_engine) \
+        * vllm_capacity_blocks(engine.vllm_url, engine.vllm_engine)
+    assert abs(used - round(used)) < 1e-6, used
+    return round(used)

@@ -34,8 +34,8 @@ from _observed import (
     SATURATED,
     ObservedEngine,
     SaturatedEngine,
+    vllm_blocks_in_use,
     vllm_capacity_blocks,
-    vllm_value,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -178,17 +178,6 @@ def test_panel_query_returns_data(scraped: PrometheusServer, q: PanelQuery) -> N
     assert result, f"panel {q.title!r}: no series for {expr}"
 
 
-def _vllm_blocks_in_use(engine: ObservedEngine) -> int:
-    """Blocks with a reference by vLLM's own numbers: ``kv_cache_usage_perc`` x capacity.
-
-    At idle no request runs, so every one of them is lost to the pool (a leak)."""
-    used = vllm_value(engine.vllm_url, "vllm:kv_cache_usage_perc",
-                      engine.vllm_engine) * vllm_capacity_blocks(engine.vllm_url,
-                                                                 engine.vllm_engine)
-    assert abs(used - round(used)) < 1e-6, used
-    return round(used)
-
-
 def _by_engine(result: list[dict[str, Any]], *label: str) -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = {}
     for r in result:
@@ -213,9 +202,9 @@ def test_leaked_blocks_panel_equals_the_blocks_vllm_still_holds_at_idle(
     assert {r["metric"]["cause"] for r in result} <= dict(
         CONTRACT["kvguard_leaked_blocks"].values)["cause"]
     leaked = _by_engine(result)
-    truth = _vllm_blocks_in_use(leaking_engine)
+    truth = vllm_blocks_in_use(leaking_engine)
     assert truth > 0, "the leaking engine holds no block by vLLM's count: the fault did not fire"
-    assert leaked == {(LEAKING,): truth, (SATURATED,): _vllm_blocks_in_use(saturated_engine)}
+    assert leaked == {(LEAKING,): truth, (SATURATED,): vllm_blocks_in_use(saturated_engine)}
     assert leaked[(SATURATED,)] == 0
 
 
@@ -234,7 +223,7 @@ def test_pool_panel_matches_vllms_own_pool(scraped: PrometheusServer,
         assert capacity[(engine.name,)] == vllm_capacity_blocks(engine.vllm_url, engine.vllm_engine)
         assert states[(engine.name, "active")] == 0
         referenced = states[(engine.name, "held_by_finished")] + states[(engine.name, "orphaned")]
-        assert referenced == _vllm_blocks_in_use(engine), engine.name
+        assert referenced == vllm_blocks_in_use(engine), engine.name
     assert states[(SATURATED, "cached")] == saturated_engine.cached_blocks_truth
     ratio_q = _panel({"kvguard_cache_saturation_ratio"})
     ratio = _by_engine(_query(scraped, grafana_expand(ratio_q.expr)))
@@ -264,7 +253,7 @@ def test_every_alert_is_silent_on_saturation_while_the_leak_alert_fires(
     (its ``for`` ran out) on the leaking engine, valued at the blocks vLLM still holds;
     meanwhile no rule has ever been pending or firing for the saturated engine (whose
     series Prometheus does hold), no rule's expression selects it, and no rule errors."""
-    truth = _vllm_blocks_in_use(leaking_engine)
+    truth = vllm_blocks_in_use(leaking_engine)
     deadline = time.monotonic() + ALERT_FIRING_TIMEOUT_S
     while True:
         alerts = _alerts(scraped)

@@ -21,8 +21,8 @@ from _observed import (
     SATURATED,
     ObservedEngine,
     SaturatedEngine,
+    vllm_blocks_in_use,
     vllm_capacity_blocks,
-    vllm_value,
 )
 from playwright.sync_api import expect
 
@@ -30,14 +30,6 @@ from kvguard.transport.reader import read_run_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pages"))
 from browser import browser_page, serve_sidecar
-
-
-def _held_by_vllm(engine: ObservedEngine) -> int:
-    """Blocks this rank's pool still references with nothing running, by vLLM's count."""
-    used = vllm_value(engine.vllm_url, "vllm:kv_cache_usage_perc", engine.vllm_engine) \
-        * vllm_capacity_blocks(engine.vllm_url, engine.vllm_engine)
-    assert abs(used - round(used)) < 1e-6, used
-    return round(used)
 
 
 def test_each_rank_has_its_own_name_process_and_state_file(
@@ -63,14 +55,14 @@ def test_kvguard_report_names_the_leaking_rank_only(
     by_engine = {p["engine"]: p for p in json.loads(out.stdout)}
     assert set(by_engine) == {LEAKING, SATURATED}
     leak, sat = by_engine[LEAKING], by_engine[SATURATED]
-    held = _held_by_vllm(leaking_engine)
+    held = vllm_blocks_in_use(leaking_engine)
     assert held > 0, "rank 1's pool holds nothing by vLLM's count: its faults did not fire"
     assert leak["verdict"] == "leak"
     assert leak["leaked_blocks"] == held
     assert {f["path"] for f in leak["leaks"]} >= {"abort"}, leak["leaks"]
     assert sat["verdict"] == "saturated", sat
     assert sat["leaks"] == [] and sat["leaked_blocks"] == 0
-    assert _held_by_vllm(saturated_engine) == 0
+    assert vllm_blocks_in_use(saturated_engine) == 0
     text = subprocess.run([sys.executable, "-m", "kvguard.cli.main", "report",
                            "--run-dir", str(leaking_engine.run_dir)],
                           capture_output=True, text=True, check=True).stdout
@@ -90,7 +82,7 @@ def test_sidecar_serves_both_ranks(leaking_engine: ObservedEngine) -> None:
 
 def test_status_page_shows_both_ranks(leaking_engine: ObservedEngine,
                                       tmp_path: Path) -> None:
-    held = _held_by_vllm(leaking_engine)
+    held = vllm_blocks_in_use(leaking_engine)
     with serve_sidecar(leaking_engine.run_dir) as url, \
             browser_page(tmp_path / "profile") as page:
         page.goto(url + "/")

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-RESULTS = Path(__file__).with_name("results")
+RESULTS = Path(os.environ.get("KVGUARD_BENCH_RESULTS") or Path(__file__).with_name("results"))
 
 
 def stats(samples: Sequence[float]) -> dict[str, float]:

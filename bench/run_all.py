@@ -22,6 +22,37 @@ def ok(flag: bool) -> str:
     return "**pass**" if flag else "**miss**"
 
 
+def _before_after() -> list[str]:
+    """Target 1 across a change (``bench/compare_revisions.py``), when it was run: the
+    verdict is computed here from its numbers: not worse when neither of the after
+    revision's per-round medians (online audit on, hooks only) is more than 0.01 above the
+    before revision's)."""
+    path = HERE / "results" / "hook_overhead_before_after.json"
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    b, a = d["summary"]["before"], d["summary"]["after"]
+    lines = ["", "## Target 1 before and after a change", "",
+             f"`bench/compare_revisions.py {b['revision']} {a['revision']}`: "
+             f"{d['pairs']} interleaved pairs of processes (ABBA), {d['rounds_per_process']} "
+             f"rounds each, {d['machine']['date']}. Per-round ratios kvguard / no kvguard, "
+             "pooled over the processes of each revision:", "",
+             "| revision | online audit on: median (quartiles) | hooks only: median "
+             "(quartiles) | per-process medians | not worse |", "|---|---|---|---|---|"]
+    for name, r in (("before", b), ("after", a)):
+        q, qh = r["per_round_quartiles"], r["hooks_only_per_round_quartiles"]
+        ok = ""
+        if name == "after":
+            worse = [r[k] - b[k] > 0.01 for k in ("per_round_median",
+                                                  "hooks_only_per_round_median")]
+            ok = "**fail**" if any(worse) else "**pass**"
+        lines.append(f"| {name} `{r['revision']}` | {r['per_round_median']:.3f}x "
+                     f"({q[0]:.3f}-{q[1]:.3f}) | {r['hooks_only_per_round_median']:.3f}x "
+                     f"({qh[0]:.3f}-{qh[1]:.3f}) | "
+                     + ", ".join(f"{x:.3f}" for x in r["process_medians"]) + f" | {ok} |")
+    return lines
+
+
 def render() -> str:
     hook, audit, scrape = load("hook_overhead"), load("audit"), load("scrape")
     mem, tr = load("memory"), load("transport")
@@ -127,7 +158,9 @@ def render() -> str:
               "most three sweeps) in proportion. A real engine that never drains (the tests "
               "in `tests/vllm/test_online_audit_engine.py`) reports the measured K and "
               "latency in its state (`online`) and metrics.",
-              "", "## Method", ""]
+              ]
+    lines += _before_after()
+    lines += ["", "## Method", ""]
     for script in SCRIPTS:
         doc = (HERE / script).read_text().split('"""')[1].strip()
         lines += [f"**`bench/{script}`**: " + " ".join(doc.split()), ""]

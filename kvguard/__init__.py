@@ -22,6 +22,18 @@ from kvguard.core.session import (
 )
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 from kvguard.core.state import EngineState, OnlineState
+from kvguard.core.transfer_links import LinkKind, TransferLink, link_transfers
+from kvguard.core.transfers import (
+    HazardKind,
+    TransferEvent,
+    TransferEventKind,
+    TransferHazard,
+    TransferOutcome,
+    TransferRecord,
+    TransferRole,
+    TransferSource,
+    TransfersState,
+)
 from kvguard.core.types import (
     BlockState,
     Evidence,
@@ -56,6 +68,7 @@ __all__ = [
     "Finding",
     "FinishReason",
     "GuardSession",
+    "HazardKind",
     "HoldBound",
     "HoldRule",
     "HookErrors",
@@ -64,6 +77,7 @@ __all__ = [
     "LeakCause",
     "LeakPath",
     "LeakReport",
+    "LinkKind",
     "MemoryAttributor",
     "OnlineAuditor",
     "OnlineOptions",
@@ -79,10 +93,20 @@ __all__ = [
     "Reconciliation",
     "StateSink",
     "SweepResult",
+    "TransferEvent",
+    "TransferEventKind",
+    "TransferHazard",
+    "TransferLink",
+    "TransferOutcome",
+    "TransferRecord",
+    "TransferRole",
+    "TransferSource",
+    "TransfersState",
     "TransportError",
     "Verdict",
     "__version__",
     "classify_block",
+    "link_transfers",
     "read_run_dir",
     "reconcile",
 ]

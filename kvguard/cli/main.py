@@ -20,20 +20,34 @@ from kvguard.transport.reader import read_run_dir
 def _cmd_report(args: argparse.Namespace) -> int:
     from kvguard.cli.render import render_state
 
-    run_dir = Path(args.run_dir) if args.run_dir else KvguardConfig.from_env().run_dir
-    result = read_run_dir(run_dir)
-    for name, err in result.errors.items():
-        print(f"kvguard: skipped {name}: {err}", file=sys.stderr)
-    if not result.states:
-        print(f"kvguard: no engine state in {run_dir}. Is vLLM running with "
-              "VLLM_PLUGINS=kvguard and the same KVGUARD_RUN_DIR?", file=sys.stderr)
+    run_dirs = [Path(d) for d in args.run_dir] if args.run_dir else \
+        [KvguardConfig.from_env().run_dir]
+    states = []
+    for run_dir in run_dirs:
+        result = read_run_dir(run_dir)
+        for name, err in result.errors.items():
+            print(f"kvguard: skipped {name}: {err}", file=sys.stderr)
+        states.extend(result.states)
+    if not states:
+        print(f"kvguard: no engine state in {', '.join(map(str, run_dirs))}. Is vLLM running "
+              "with VLLM_PLUGINS=kvguard and the same KVGUARD_RUN_DIR?", file=sys.stderr)
         return 2
+    if args.transfers:
+        from kvguard.core.transfer_links import link_transfers
+
+        links = link_transfers({s.engine: s for s in states})
+        if args.json:
+            print(json.dumps([ln.model_dump(mode="json") for ln in links], indent=2))
+        else:
+            print("\n".join(f"{ln.kind.value}: {ln.sentence}" for ln in links)
+                  or "no cross-engine transfer finding")
+        return 0
     if args.json:
         payload = [s.latest_report.model_dump(mode="json") if s.latest_report else
-                   {"engine": s.engine, "verdict": None} for s in result.states]
+                   {"engine": s.engine, "verdict": None} for s in states]
         print(json.dumps(payload, indent=2))
     else:
-        print("\n\n".join(render_state(s) for s in result.states))
+        print("\n\n".join(render_state(s) for s in states))
     return 0
 
 
@@ -108,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("report", help="show the latest checkpoint report of each engine")
     r.add_argument("--json", action="store_true", help="machine-readable output")
-    r.add_argument("--run-dir", help="where engines publish state (KVGUARD_RUN_DIR)")
+    r.add_argument("--run-dir", action="append",
+                   help="where engines publish state (KVGUARD_RUN_DIR); repeat it to read "
+                        "several, e.g. a prefill and a decode engine's")
+    r.add_argument("--transfers", action="store_true",
+                   help="P/D: judge each request's KV transfer from both of its engines "
+                        "(prefill holds for an aborted decode, blocks freed before read)")
     r.set_defaults(func=_cmd_report)
     sc = sub.add_parser("sidecar", help="serve reports and Prometheus metrics over HTTP")
     sc.add_argument("--host", help="bind address (KVGUARD_SIDECAR_HOST, default 127.0.0.1)")

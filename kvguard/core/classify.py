@@ -63,6 +63,10 @@ class HoldRule:
     now: float
     bound_seconds: float
     between_steps: bool = False
+    deadline_grace_seconds: float = 5.0
+    """After a connector's own deadline for a hold (:attr:`RequestRecord.hold_deadline`),
+    how long the engine may take to give the blocks back: the connector reports the end
+    of a hold at its next step, and the engine frees at that step's update."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,13 +98,34 @@ def hold_is_legitimate(rec: RequestRecord, rule: HoldRule) -> bool:
     """A finished request's hold that is not a leak yet: a delayed free (KV transfer in
     flight) younger than the bound, and between steps also a deferred free that began
     less than the bound ago. At a drained checkpoint no step is in flight, so a deferred
-    free still holding is a leak."""
+    free still holding is a leak.
+
+    Where the KV connector exposes its own deadline for the hold (a NIXL lease, renewed
+    while the decode side keeps the request), that deadline replaces the bound: the hold
+    is legitimate while it is alive, plus ``deadline_grace_seconds``, and a finding once
+    it has lapsed without a release."""
+    if rec.delayed_free_pending and rec.hold_deadline is not None:
+        return rule.now < rec.hold_deadline + rule.deadline_grace_seconds
     if rec.delayed_free_pending and rec.delayed_free_started_at is not None:
         return rule.now - rec.delayed_free_started_at < rule.bound_seconds
     if rule.between_steps and rec.deferred_free_pending:
         started = rec.finished_at if rec.finished_at is not None else rule.now
         return rule.now - started < rule.bound_seconds
     return False
+
+
+def _held_detail(rec: RequestRecord, rule: HoldRule) -> str:
+    if rec.freed_at is not None:
+        return "finished and freed, still holds its blocks"
+    if rec.delayed_free_pending and rec.hold_deadline is not None:
+        ago = rule.now - rec.hold_deadline
+        source = rec.hold_source or "the connector's deadline"
+        return (f"kept for a KV transfer whose hold ended {ago:.0f} s ago ({source}); the "
+                "blocks were not released")
+    if rec.waited_for_remote_kv:
+        return (f"finished while waiting for its KV from {rec.remote_peer or 'a remote engine'}"
+                "; its blocks are still held past the bound")
+    return "finished, blocks not freed yet"
 
 
 def _owner_key(owners: Mapping[RequestId, int]) -> tuple[tuple[str, int], ...]:
@@ -172,8 +197,7 @@ def classify_block(
             f"ref_cnt {rc} but {expected} known references")], rc, expected, okey)
     if finished:
         charges = [Charge(LeakCause.FINISHED_REQUEST, r.request_id, r.exit_path,
-                          "finished and freed, still holds its blocks"
-                          if r.freed_at is not None else "finished, blocks not freed yet")
+                          _held_detail(r, rule))
                    for r in finished if not hold_is_legitimate(r, rule)]
         return _judged(BlockState.HELD_BY_FINISHED, charges, rc, okey)
     if unattr:

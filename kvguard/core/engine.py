@@ -22,6 +22,7 @@ from typing import Protocol
 
 from kvguard.core.online import PoolAccess
 from kvguard.core.snapshot import PoolSnapshot
+from kvguard.core.transfers import TransferSource
 from kvguard.core.types import FinishReason
 
 
@@ -115,3 +116,6 @@ class EngineAdapter(Protocol):
 
     def faults_enabled(self) -> list[str]:
         """Faults the engine itself injects (tests and staging), to show in the state."""
+
+    def kv_transfers(self) -> TransferSource | None:
+        """The engine's KV connector for transfers between engines (P/D), or ``None``."""

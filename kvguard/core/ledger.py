@@ -56,6 +56,16 @@ class RequestRecord:
     delayed_free_pending: bool = False
     """The KV connector asked to keep the blocks until its transfer completes."""
     delayed_free_started_at: float | None = None
+    hold_deadline: float | None = None
+    """The KV connector's own deadline for this delayed free (Unix s, renewals included,
+    e.g. a NIXL lease that the decode side's heartbeats extend); ``None``: the connector
+    exposes none and the configured bound applies from ``delayed_free_started_at``."""
+    hold_source: str | None = None
+    """Where ``hold_deadline`` was read (for the finding's detail)."""
+    waited_for_remote_kv: bool = False
+    """It finished while waiting for its KV from a remote engine (P/D decode side)."""
+    remote_peer: str | None = None
+    """Which remote engine and request it waited for, in words (P/D decode side)."""
     deferred_free_pending: bool = False
     """Blocks were popped for a free that waits for an in-flight step (``deferred_frees``)."""
     blocks: dict[BlockId, int] = field(default_factory=dict)
@@ -68,6 +78,8 @@ class RequestRecord:
     @property
     def exit_path(self) -> LeakPath:
         """The path a finished request took out of the engine: where a leak would hide."""
+        if self.waited_for_remote_kv:
+            return LeakPath.REMOTE_KV_WAIT
         if self.delayed_free_started_at is not None:
             return LeakPath.DELAYED_FREE
         if self.deferred_free_pending:
@@ -236,6 +248,26 @@ class OwnershipLedger:
         rec = self._ensure(request_id, at)
         rec.delayed_free_pending = True
         rec.delayed_free_started_at = at
+
+    def on_hold_deadline(self, request_id: RequestId, deadline: float, source: str) -> None:
+        """The KV connector's deadline for a delayed free (latest wins: a renewal moves it
+        later, the connector letting go of the hold moves it to the moment it did)."""
+        rec = self._records.get(request_id)
+        if rec is not None and rec.delayed_free_pending:
+            rec.hold_deadline = deadline
+            rec.hold_source = source
+
+    def on_waited_for_remote_kv(self, request_id: RequestId, peer: str | None = None) -> None:
+        """The request finished while waiting for its KV from a remote engine (``peer``:
+        which engine and request, in words)."""
+        rec = self._records.get(request_id)
+        if rec is not None:
+            rec.waited_for_remote_kv = True
+            rec.remote_peer = peer
+
+    def delayed_frees(self) -> list[RequestRecord]:
+        """Records whose delayed free is pending, in no particular order."""
+        return [r for r in self._records.values() if r.delayed_free_pending]
 
     def on_deferred_free_started(self, request_id: RequestId) -> None:
         """The request's blocks were popped for a free that waits for an in-flight step."""

@@ -47,10 +47,20 @@ from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
 from kvguard.core.state import EngineState, OnlineState
+from kvguard.core.transfers import (
+    TransferEvent,
+    TransferEventKind,
+    TransferLog,
+    TransferOutcome,
+    TransferRole,
+)
 from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
 from kvguard.version import __version__
 
 log = logging.getLogger("kvguard")
+
+TRANSFER_POLL_SECONDS = 0.25
+"""How often, at most, the KV connector's hold deadlines are read (at step ends)."""
 
 
 class StateSink(Protocol):
@@ -84,7 +94,7 @@ class HookErrors:
     """Failures inside kvguard hook code: counted per hook, logged once per hook."""
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
-                             "finish_requests"})
+                             "finish_requests", "transfers"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -137,6 +147,16 @@ class GuardSession:
         self.drain_pending = False
         """A free happened since the last drain check: the next step end checks again."""
         self.publisher = sink
+        self.transfer_source = adapter.kv_transfers()
+        """The engine's KV connector for P/D transfers (None: the engine has none)."""
+        self.transfers: TransferLog | None = None
+        if self.transfer_source is not None:
+            src = self.transfer_source
+            self.transfers = TransferLog(connector=src.connector, kv_role=src.kv_role,
+                                         kv_engine_id=src.kv_engine_id,
+                                         hold_source=src.hold_source)
+        self._next_transfer_poll = 0.0
+        self._transfer_errors_seen = 0
         self.attributor = attributor
         """Memory attribution at drained checkpoints (None: off)."""
         self._requests = requests
@@ -215,6 +235,63 @@ class GuardSession:
         self.claim(request_id)
         self.ledger.on_request_finished(request_id, reason, at)
         self.drain.on_completion(at)
+        if self.transfers is not None:
+            rec = self.transfers.get(request_id)
+            if rec is not None and rec.role is TransferRole.DECODE \
+                    and rec.outcome is TransferOutcome.PENDING:
+                # A decode request that finishes before its KV arrived: the engine keeps
+                # its blocks until that transfer ends (the connector still writes them).
+                self.transfers.ended(request_id, TransferOutcome.ABORTED_WAITING, at)
+                self.ledger.on_waited_for_remote_kv(request_id, (
+                    f"prefill engine {rec.remote_engine_id or '?'} (its request "
+                    f"{rec.remote_request_id or '?'})"))
+
+    def on_transfer(self, event: TransferEvent) -> None:
+        """What the KV connector did for one request (P/D); ignored without a connector."""
+        log_ = self.transfers
+        if log_ is None:
+            return
+        rid = event.request_id
+        if event.kind is TransferEventKind.STARTED and event.role is not None:
+            log_.started(rid, self.adapter.client_request_id(rid), event.role, event.at,
+                         remote_engine_id=event.remote_engine_id,
+                         remote_request_id=event.remote_request_id)
+        elif event.kind is TransferEventKind.ENDED and event.outcome is not None:
+            log_.ended(rid, event.outcome, event.at, reads=event.reads)
+        elif event.kind is TransferEventKind.LATE_READ:
+            hz = log_.read_after_expiry(rid, event.at)
+            if hz is not None:
+                log.warning("kvguard on %s: %s for request %s: %s", self.engine,
+                            hz.kind.value, hz.client_request_id, hz.detail)
+
+    def poll_transfers(self, now: float) -> None:
+        """Apply the connector's queued events and its live hold deadlines to the ledger.
+
+        A delayed free the connector lists gets its deadline (renewals included); one it
+        listed before and no longer does was let go (read, or lease lapsed) and may only
+        be held for the grace after that; one it never listed keeps the configured bound.
+        """
+        src = self.transfer_source
+        log_ = self.transfers
+        if src is None or log_ is None:
+            return
+        for ev in src.drain_events():
+            self.on_transfer(ev)
+        if src.errors > self._transfer_errors_seen:  # contained in the worker's wrappers
+            self.errors.by_hook["transfers_worker"] += src.errors - self._transfer_errors_seen
+            self._transfer_errors_seen = src.errors
+        deadlines = src.hold_deadlines()
+        log_.hold_source = src.hold_source
+        if deadlines is None:
+            return
+        for rec in self.ledger.delayed_frees():
+            d = deadlines.get(rec.request_id)
+            if d is not None:
+                self.ledger.on_hold_deadline(rec.request_id, d, log_.hold_source)
+                log_.deadline(rec.request_id, d)
+            elif rec.hold_deadline is not None and rec.hold_deadline > now:
+                self.ledger.on_hold_deadline(rec.request_id, now,
+                                             f"{src.connector} let go of the hold")
 
     def on_delayed_free_started(self, request_id: RequestId, at: float) -> None:
         """The engine keeps a finished request's blocks until its KV transfer completes."""
@@ -238,6 +315,11 @@ class GuardSession:
     def on_step_end(self, *, step_seconds: float | None = None) -> None:
         """After aborts, and per engine step (``step_seconds``: the scheduler time of that
         step). Cheap when idle: the online audit spends only its budget."""
+        if self.transfers is not None:
+            mono = time.monotonic()
+            if mono >= self._next_transfer_poll:
+                self._next_transfer_poll = mono + TRANSFER_POLL_SECONDS
+                self.poll_transfers(time.time())
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
         if step_seconds is not None and self.online is not None:
@@ -277,6 +359,10 @@ class GuardSession:
             rec = self.ledger.record(RequestId(rid))
             if rec is not None and hold_is_legitimate(rec, rule):
                 started = rec.delayed_free_started_at or now
+                if rec.hold_deadline is not None:
+                    return (f"request {rid} waits for its KV transfer ({now - started:.1f} s, "
+                            f"its hold ends in {rec.hold_deadline - now:.1f} s: "
+                            f"{rec.hold_source})"), False
                 return (f"request {rid} waits for its KV transfer ({now - started:.1f} s of "
                         f"the {self.delayed_free_bound:.0f} s bound)"), False
         return None
@@ -323,6 +409,8 @@ class GuardSession:
                 taken_at=now))
         for rid, ids in self.adapter.request_tables().items():
             self.ledger.claim(RequestId(rid), ids)
+        with self.contain("transfers"):
+            self.poll_transfers(now)  # judge delayed frees by the connector's current leases
         rec = reconcile(self.adapter.read_pool(), self.ledger, ReconcileOptions(
             now=now, delayed_free_bound_seconds=self.delayed_free_bound))
         report = build_report(
@@ -482,6 +570,7 @@ class GuardSession:
             online=self.online_state(),
             publish_drops_total=self.publisher.drops,
             drain=self.drain_prediction(),
+            transfers=self.transfers.state() if self.transfers is not None else None,
             reports=list(self.reports),
         )
 

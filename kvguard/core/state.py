@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
+from kvguard.core.transfers import TransfersState
 
 STATE_SCHEMA_VERSION = 2
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
@@ -67,6 +68,9 @@ class EngineState(BaseModel):
     online: OnlineState | None = None
     publish_drops_total: int = 0
     drain: DrainPrediction | None = Field(default=None, description="When the next drain can be.")
+    transfers: TransfersState | None = Field(
+        default=None, description="KV transfers between engines (P/D); None without a "
+                                  "KV connector.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

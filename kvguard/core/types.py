@@ -78,6 +78,10 @@ class LeakPath(enum.StrEnum):
     FINISH = "finish"
     ROLLBACK = "rollback"
     PREFIX_HIT = "prefix_hit"
+    REMOTE_KV_WAIT = "remote_kv_wait"
+    """A decode request that finished (usually aborted) while waiting for its KV from a
+    remote prefill engine (P/D disaggregation): the engine keeps its blocks until that
+    transfer ends (vllm #46283)."""
     UNKNOWN = "unknown"
 
 

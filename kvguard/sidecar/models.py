@@ -5,6 +5,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.report import CheckpointReport
+from kvguard.core.transfer_links import TransferLink
+from kvguard.core.transfers import TransfersState
 from kvguard.core.trend import TrendVerdict
 from kvguard.transport.state import OnlineState
 
@@ -50,10 +52,16 @@ class EngineReport(_Model):
     drain: DrainView | None = None
     online: OnlineState | None = Field(
         default=None, description="The online audit's counters (null when it is off).")
+    transfers: TransfersState | None = Field(
+        default=None, description="KV transfers between engines (P/D; null without a KV "
+                                  "connector).")
 
 
 class ReportsResponse(_Model):
     engines: list[EngineReport]
+    transfer_links: list[TransferLink] = Field(
+        default_factory=list, description="P/D: one request's transfer judged from both of "
+                                          "its engines (both must publish here).")
 
 
 class CheckpointsResponse(_Model):

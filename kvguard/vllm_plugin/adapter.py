@@ -24,6 +24,7 @@ from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.types import FinishReason
 from kvguard.vllm_plugin.connector_bounds import connector_hold_bound
 from kvguard.vllm_plugin.finish import finish_reason_of
+from kvguard.vllm_plugin.kv_transfers import VllmTransfers, transfers_of
 from kvguard.vllm_plugin.pool_reader import VllmPoolAccess, all_request_tables, read_pool
 from kvguard.vllm_plugin.request_ids import client_request_id
 
@@ -47,6 +48,8 @@ class VllmAdapter:
         """Scheduler outputs returned by ``schedule`` and not yet passed to
         ``update_from_output``, oldest first, each with whether it schedules any token
         (fed by the hooks)."""
+        self.transfers: VllmTransfers | None = transfers_of(scheduler)
+        """The KV connector's transfers (P/D), when the engine has a connector."""
         rank, in_group = data_parallel_rank(scheduler)
         self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
                                         default_name=f"dp{rank}",
@@ -122,6 +125,9 @@ class VllmAdapter:
 
     def hold_bound(self) -> HoldBound:
         return connector_hold_bound(getattr(self.scheduler, "vllm_config", None))
+
+    def kv_transfers(self) -> VllmTransfers | None:
+        return self.transfers
 
     def faults_enabled(self) -> list[str]:
         """What a fault-injecting scheduler says it injects (its ``faults_enabled``, a list

@@ -52,6 +52,9 @@ SCHEDULER_HOOKS: Final = ("add_request", "_preempt_request", "_free_request",
 """``Scheduler`` methods kvguard wraps, in install order. A label in ``hooks_installed`` is
 ``<class name>.<method>``; every method of the three tuples is expected on each supported
 vLLM."""
+CONNECTOR_HOOKS: Final = ("_update_from_kv_xfer_finished",)
+"""``Scheduler`` methods kvguard wraps only when the engine has a KV connector: where
+vLLM applies the connector's finished and failed transfers (P/D)."""
 COORDINATOR_HOOKS: Final = ("remove_skipped_blocks",)
 """KV cache coordinator methods kvguard wraps: where blocks that slid out of a sliding
 window are freed (a no-op for full attention)."""
@@ -100,6 +103,7 @@ def install_hooks(g: EngineGuard) -> None:
     sched = g.scheduler
     vllm = g.vllm
     errors = g.errors
+    transfers = vllm.transfers
     owner: list[RequestId | None] = [None]
     """The request whose lifecycle call is running (pool calls inside it are its)."""
     schedule_seconds = [0.0]
@@ -162,7 +166,12 @@ def install_hooks(g: EngineGuard) -> None:
         def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             ret = orig(request, *args, **kwargs)
             try:
-                g.on_admitted(RequestId(request.request_id), time.time())
+                now = time.time()
+                g.on_admitted(RequestId(request.request_id), now)
+                if transfers is not None:
+                    ev = transfers.admitted(request, now)
+                    if ev is not None:
+                        g.on_transfer(ev)
             except Exception as exc:
                 errors.record("add_request", exc)
             return ret
@@ -202,7 +211,12 @@ def install_hooks(g: EngineGuard) -> None:
                 try:
                     if rid is not None and vllm.holds_request(rid):
                         # The KV connector delayed the free: vLLM keeps the request.
-                        g.on_delayed_free_started(rid, time.time())
+                        now = time.time()
+                        g.on_delayed_free_started(rid, now)
+                        if transfers is not None:
+                            ev = transfers.hold_started(request, now)
+                            if ev is not None:
+                                g.on_transfer(ev)
                     g.on_release_done()
                 except Exception as exc:
                     errors.record("finish", exc)
@@ -293,6 +307,20 @@ def install_hooks(g: EngineGuard) -> None:
             return call_as(rid, orig, request_id, *args, **kwargs)
         return remove_skipped_blocks
 
+    def make_kv_xfer_finished(orig: Callable[..., Any]) -> Callable[..., Any]:
+        def _update_from_kv_xfer_finished(output: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                if transfers is not None:
+                    for ev in transfers.connector_output(output, time.time()):
+                        g.on_transfer(ev)
+            except Exception as exc:
+                errors.record("transfers", exc)
+            return orig(output, *args, **kwargs)
+        return _update_from_kv_xfer_finished
+
+    if transfers is not None:
+        for name, make in zip(CONNECTOR_HOOKS, (make_kv_xfer_finished,), strict=True):
+            _wrap(g, sched, name, make)
     coordinator = getattr(g.kv_cache_manager, "coordinator", None)
     if skips_blocks(coordinator):  # else it runs per request per step for nothing
         for name, make in zip(COORDINATOR_HOOKS, (make_remove_skipped,), strict=True):

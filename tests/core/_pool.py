@@ -474,5 +474,8 @@ class RefAdapter:
     def hold_bound(self) -> HoldBound:
         return HoldBound(30.0, "reference default")
 
+    def kv_transfers(self) -> None:
+        return None
+
     def faults_enabled(self) -> list[str]:
         return []

@@ -100,10 +100,21 @@ def test_the_leak_sentence_falls_back_to_the_internal_id_and_unknown_reason() ->
         (LeakPath.PREEMPTION, "preemption"),
         (LeakPath.FINISH, "normal finish"),
         (LeakPath.ERROR, "error"),
+        (LeakPath.REMOTE_KV_WAIT,
+         "waiting for remote KV (P/D decode side: the transfer never completed)"),
     ],
 )
 def test_the_leak_sentence_names_the_exit_path(path: LeakPath, words: str) -> None:
     assert describe_finding(_finished(path=path)).endswith(f"[path: {words}]")
+
+
+@pytest.mark.parametrize("path", list(LeakPath))
+def test_every_path_has_words_in_every_sentence(path: LeakPath) -> None:
+    for cause in LeakCause:  # a path without words raised KeyError inside the engine
+        f = _finished(path=path)
+        f.cause = cause
+        assert describe_finding(f)
+    assert "[path: " in describe_finding(_finished(path=path))
 
 
 def test_other_causes_read_with_their_block_count_and_evidence() -> None:

@@ -74,6 +74,12 @@ OPERATIONAL: dict[str, Metric] = {
                               "engine_version"),
     "kvguard_sidecar_read_errors_total": _m("counter"),
     "kvguard_online_sweeps_total": _m("counter", "engine"),
+    # P/D: only engines with a KV connector export these (tests/pd scrapes them).
+    "kvguard_kv_connector_info": _m("gauge", "engine", "connector", "kv_role", "kv_engine_id",
+                                    "hold_source"),
+    "kvguard_kv_transfers_pending": _m("gauge", "engine"),
+    "kvguard_kv_transfers_total": _m("counter", "engine", "outcome"),
+    "kvguard_kv_transfer_hazards_total": _m("counter", "engine", "kind"),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)

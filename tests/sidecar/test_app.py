@@ -43,7 +43,7 @@ def test_sidecar_started_before_any_engine_serves_empty_answers(tmp_path: Path) 
     with _client(tmp_path / "not-yet") as c:
         h = c.get("/healthz").json()
         assert h == {"status": "ok", "engines": 0, "engines_up": 0, "read_errors": {}}
-        assert c.get("/v1/report").json() == {"engines": []}
+        assert c.get("/v1/report").json() == {"engines": [], "transfer_links": []}
         assert c.get("/v1/checkpoints").json() == {"checkpoints": []}
         assert c.get("/metrics").status_code == 200
 

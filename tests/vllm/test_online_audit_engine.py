@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from _modes import in_mode
 
 from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
@@ -22,6 +23,14 @@ from kvguard.chaos.harness import prompt
 from kvguard.chaos.sustained import SustainedLoad
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
+from kvguard.demo.scheduling import Scheduling
+
+
+@pytest.fixture(params=list(Scheduling), ids=str)
+def engines(request: pytest.FixtureRequest,
+            engines: Callable[..., Harness]) -> Callable[..., Harness]:
+    """Every test of this module on a sync and on an async-scheduling engine."""
+    return in_mode(engines, request.param)
 
 # Hundreds to thousands of engine steps per test; a step took up to 0.5 s on a loaded 2-core
 # host, over the suite's 10-minute default. Conditions decide; the limit only bounds a hang.

@@ -307,6 +307,8 @@ class GuardSession:
         """The engine is done with the request (its blocks should all be back)."""
         self.ledger.on_request_freed(request_id, at)
         self.drain_pending = True
+        if self.transfers is not None:  # a hold that ended without a word from the connector
+            self.transfers.ended(request_id, TransferOutcome.RELEASED, at)
 
     def on_release_done(self) -> None:
         """A finish or free path returned: a drain may follow."""

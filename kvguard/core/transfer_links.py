@@ -70,7 +70,10 @@ def link_transfers(states: Mapping[str, EngineState]) -> list[TransferLink]:
         for rec in t.records:
             if rec.role is TransferRole.PREFILL:
                 prefill[(t.kv_engine_id, rec.request_id)] = (name, rec)
-    out: list[TransferLink] = []
+    # One decode per prefill request: the earliest that names it (vLLM's serving layer may
+    # admit a second, blockless request with the same parameters to tell the prefill side
+    # to let go after an abort).
+    decodes: dict[tuple[str, str], tuple[str, TransferRecord]] = {}
     for d_name, st in sorted(states.items()):
         if st.transfers is None:
             continue
@@ -78,13 +81,15 @@ def link_transfers(states: Mapping[str, EngineState]) -> list[TransferLink]:
             if d.role is not TransferRole.DECODE or d.remote_engine_id is None \
                     or d.remote_request_id is None:
                 continue
-            hit = prefill.get((d.remote_engine_id, d.remote_request_id))
-            if hit is None:
-                continue
-            p_name, p = hit
-            link = _judge(p_name, p, d_name, d)
-            if link is not None:
-                out.append(link)
+            key = (d.remote_engine_id, d.remote_request_id)
+            if key in prefill and (key not in decodes or d.started_at < decodes[key][1].started_at):
+                decodes[key] = (d_name, d)
+    out: list[TransferLink] = []
+    for key, (d_name, d) in decodes.items():
+        p_name, p = prefill[key]
+        link = _judge(p_name, p, d_name, d)
+        if link is not None:
+            out.append(link)
     return out
 
 

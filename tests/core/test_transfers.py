@@ -152,6 +152,16 @@ def test_session_follows_the_connectors_leases_and_notices_when_it_lets_go() -> 
     assert s.transfers.state().hazards_total == {"freed_before_read": 1}  # once per request
 
 
+def test_a_hold_freed_without_a_word_from_the_connector_ends_released() -> None:
+    s = _session(ScriptedNixl())
+    s.on_admitted(R, 0.0)
+    s.on_transfer(TransferEvent(TransferEventKind.STARTED, R, 0.0, role=TransferRole.PREFILL))
+    s.on_freed(R, 3.0)
+    assert s.transfers is not None
+    st = s.transfers.state()
+    assert st.pending == 0 and st.outcomes_total == {"released": 1}
+
+
 def test_a_late_read_of_a_hold_that_ended_by_a_read_is_no_hazard() -> None:
     log = TransferLog(connector="NixlConnector", kv_role="kv_producer", kv_engine_id="P",
                       hold_source="x")
@@ -184,6 +194,10 @@ def test_links_join_both_sides_on_the_prefill_engines_id_and_request_id() -> Non
     d.ended("d2", TransferOutcome.RECEIVED, 14.0)
     d.ended("d3", TransferOutcome.ABORTED_WAITING, 40.0)
     d.ended("d4", TransferOutcome.ABORTED_WAITING, 40.0)
+    # vLLM's blockless clean-up request after the abort of d1 names p1 too: no second link.
+    d.started("cleanup", "cleanup", TransferRole.DECODE, 30.1, remote_engine_id="P-uuid",
+              remote_request_id="p1")
+    d.ended("cleanup", TransferOutcome.ABORTED_WAITING, 30.1)
     links = link_transfers({"prefill": _state("prefill", p), "decode": _state("decode", d)})
     by_kind = {ln.kind: ln for ln in links}
     assert len(links) == 3 and set(by_kind) == set(LinkKind)

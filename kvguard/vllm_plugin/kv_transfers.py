@@ -225,9 +225,12 @@ class VllmTransfers:
         for rid in getattr(output, "failed_recving", None) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
                                         outcome=TransferOutcome.FAILED))
+        # With the worker in this process its reaper reported lapsed leases (queued above),
+        # so what is left ended by a read; out of process, read and lapse look the same.
+        sent = TransferOutcome.READ if self._find_worker() is not None \
+            else TransferOutcome.RELEASED
         for rid in getattr(output, "finished_sending", None) or ():
-            events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
-                                        outcome=TransferOutcome.READ))
+            events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at, outcome=sent))
         return events
 
 

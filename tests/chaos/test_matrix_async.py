@@ -28,16 +28,17 @@ ASYNC_PATHS = (
     # a step in flight when a request ends: abort racing it, queued and mid-stream aborts
     "abort_final_step", "abort_queued", "disconnect_c8", "fault_skip_free_on_abort",
     "fault_double_free_on_abort",
-    # preemption and rollback with a batch scheduled ahead
+    # preemption and speculative decoding with a batch scheduled ahead
+    # (fault_spec_rollback_keeps_blocks is left to the full run: in async mode its draft
+    # was once accepted 15 of 15 times, so its rollback path did not run)
     "preemption_storm", "fault_preemption_skips_free", "spec_decode_rejections",
-    "fault_spec_rollback_keeps_blocks",
     # delayed and deferred frees (async parks frees behind the step fence)
     "delayed_free_late", "fault_transfer_never_completes",
     "fault_deferred_free_never_released",
     # the records-then-resync path under a batch queue
     "hook_exceptions",
 )
-"""What CI runs in async mode (about half of the matrix; the rest run no step-ordering
+"""What CI runs in async mode (12 of 23; the rest run no step-ordering
 dependent path: saturation, prefix hits, sliding windows). ``kvguard chaos --scheduling
 async`` runs them all; last full run: 22 passed, ``offload_connector`` unsupported."""
 
@@ -59,7 +60,7 @@ def test_the_async_sensitive_scenarios_give_the_same_verdict_with_async_scheduli
     names = {s.name for s in matrix()}
     assert set(ASYNC_PATHS) <= names, sorted(set(ASYNC_PATHS) - names)
     proc, results = _chaos(tmp_path, "--scheduling", "async", "--only", ",".join(ASYNC_PATHS))
-    assert [r.name for r in results] == [s.name for s in matrix() if s.name in ASYNC_PATHS]
+    assert [r.name for r in results] == list(ASYNC_PATHS)  # in the order asked
     for r in results:
         assert r.scheduling is Scheduling.ASYNC
         if r.name in CPU_UNSUPPORTED:

@@ -28,17 +28,16 @@ ASYNC_PATHS = (
     # a step in flight when a request ends: abort racing it, queued and mid-stream aborts
     "abort_final_step", "abort_queued", "disconnect_c8", "fault_skip_free_on_abort",
     "fault_double_free_on_abort",
-    # preemption and speculative decoding with a batch scheduled ahead
-    # (fault_spec_rollback_keeps_blocks is left to the full run: in async mode its draft
-    # was once accepted 15 of 15 times, so its rollback path did not run)
+    # preemption and speculative rollback with a batch scheduled ahead
     "preemption_storm", "fault_preemption_skips_free", "spec_decode_rejections",
+    "fault_spec_rollback_keeps_blocks",
     # delayed and deferred frees (async parks frees behind the step fence)
     "delayed_free_late", "fault_transfer_never_completes",
     "fault_deferred_free_never_released",
     # the records-then-resync path under a batch queue
     "hook_exceptions",
 )
-"""What CI runs in async mode (12 of 23; the rest run no step-ordering
+"""What CI runs in async mode (13 of 23; the rest run no step-ordering
 dependent path: saturation, prefix hits, sliding windows). ``kvguard chaos --scheduling
 async`` runs them all; last full run: 22 passed, ``offload_connector`` unsupported."""
 

@@ -13,9 +13,11 @@ from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 
-STATE_SCHEMA_VERSION = 2
+STATE_SCHEMA_VERSION = 3
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
-``engine_version`` replace ``vllm_version``."""
+``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
+engines, P/D); a reader of schema 2 would reject the new field, so it says "another
+kvguard version" instead."""
 
 
 class OnlineState(BaseModel):

@@ -118,6 +118,8 @@ class VllmTransfers:
 
     def _wrapped_reap(self, worker: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
         def _reap_expired_send_leases(done_sending: Any, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(worker, "_reqs_to_send", None):
+                return orig(done_sending, *args, **kwargs)  # no lease: nothing can lapse
             before: dict[str, int] = {}
             expected: dict[str, int] = {}
             try:
@@ -149,17 +151,16 @@ class VllmTransfers:
         def get_new_notifs(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             try:
-                known = set(worker._reqs_to_send) | set(getattr(worker, "_reqs_to_process", ()))
-                now = time.time()
-                for notifs in out.values():
+                for notifs in out.values():  # usually none: nothing to do per step
                     for n in notifs:
                         msg = n.decode("utf-8") if isinstance(n, bytes | bytearray) else str(n)
                         if msg.startswith("HB:"):
                             continue  # a lease renewal, not a read
                         rid = msg.rsplit(":", 1)[0]
-                        if rid not in known:
+                        if rid not in worker._reqs_to_send and rid not in getattr(
+                                worker, "_reqs_to_process", ()):
                             self._events.append(TransferEvent(
-                                TransferEventKind.LATE_READ, rid, now))
+                                TransferEventKind.LATE_READ, rid, time.time()))
             except Exception:
                 self.errors += 1
             return out

@@ -19,7 +19,7 @@ def stats(samples: Sequence[float]) -> dict[str, float]:
     xs = sorted(samples)
     q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
     return {"median": statistics.median(xs), "mean": statistics.fmean(xs), "p10": q[0],
-            "p90": q[-1], "n": float(len(xs))}
+            "p90": q[-1], "max": xs[-1], "n": float(len(xs))}
 
 
 def machine() -> dict[str, str]:

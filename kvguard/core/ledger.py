@@ -265,10 +265,6 @@ class OwnershipLedger:
             rec.waited_for_remote_kv = True
             rec.remote_peer = peer
 
-    def delayed_frees(self) -> list[RequestRecord]:
-        """Records whose delayed free is pending, in no particular order."""
-        return [r for r in self._records.values() if r.delayed_free_pending]
-
     def on_deferred_free_started(self, request_id: RequestId) -> None:
         """The request's blocks were popped for a free that waits for an in-flight step."""
         self.num_events["deferred_free"] += 1

@@ -157,6 +157,8 @@ class GuardSession:
                                          hold_source=src.hold_source)
         self._next_transfer_poll = 0.0
         self._transfer_errors_seen = 0
+        self._leased: set[RequestId] = set()
+        """Delayed frees that have had a deadline from the connector (polled until freed)."""
         self.attributor = attributor
         """Memory attribution at drained checkpoints (None: off)."""
         self._requests = requests
@@ -284,14 +286,20 @@ class GuardSession:
         log_.hold_source = src.hold_source
         if deadlines is None:
             return
-        for rec in self.ledger.delayed_frees():
-            d = deadlines.get(rec.request_id)
-            if d is not None:
+        # Only the holds the connector lists and those it listed before: the work follows
+        # the transfers in flight, never the ledger's size.
+        for rid, d in deadlines.items():
+            rec = self.ledger.record(RequestId(rid))
+            if rec is not None and rec.delayed_free_pending:
                 self.ledger.on_hold_deadline(rec.request_id, d, log_.hold_source)
-                log_.deadline(rec.request_id, d)
+                log_.deadline(rid, d)
+                self._leased.add(rec.request_id)
+        for r in [r for r in self._leased if r not in deadlines]:
+            rec = self.ledger.record(r)
+            if rec is None or not rec.delayed_free_pending:
+                self._leased.discard(r)  # released: nothing left to judge
             elif rec.hold_deadline is not None and rec.hold_deadline > now:
-                self.ledger.on_hold_deadline(rec.request_id, now,
-                                             f"{src.connector} let go of the hold")
+                self.ledger.on_hold_deadline(r, now, f"{src.connector} let go of the hold")
 
     def on_delayed_free_started(self, request_id: RequestId, at: float) -> None:
         """The engine keeps a finished request's blocks until its KV transfer completes."""

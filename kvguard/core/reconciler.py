@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
+from itertools import chain, compress, filterfalse, repeat
+from operator import eq, itemgetter, ne
 from typing import cast
 
 from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
 from kvguard.core.findings import Finding, Reconciliation
-from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger
+from kvguard.core.ledger import DoubleFreeEvent, OwnershipLedger, RequestRecord
 from kvguard.core.report import PoolReport
 from kvguard.core.snapshot import PoolSnapshot, count_falsy
 from kvguard.core.types import (
@@ -96,13 +97,16 @@ def reconcile(
     counts = {s: 0 for s in BlockState}
     out = _Collector(opts, ledger)
     double_free_by_block: dict[int, DoubleFreeEvent] = {e.block_id: e for e in ledger.double_frees}
-    interesting = set(ledger.owned_block_ids()) | double_free_by_block.keys()
+    finished = RequestPhase.FINISHED
+    records = list(ledger.records())
+    done = [r for r in records if r.phase is finished]
 
     if free_q is not None:
+        interesting = set(ledger.owned_block_ids()) | double_free_by_block.keys()
         n_zero = _walk_every_block(refs, cached, free_q, nulls, interesting, ledger,
                                    double_free_by_block, counts, out)
     else:
-        n_zero = _classify_sparse(refs, cached, nulls, interesting, ledger,
+        n_zero = _classify_sparse(refs, cached, nulls, ledger, records, done,
                                   double_free_by_block, counts, out)
 
     pool_level: list[Finding] = []
@@ -120,10 +124,7 @@ def reconcile(
                 detail=f"the pool reports {snapshot.num_free_reported} free blocks but "
                        f"{n_zero} have ref_cnt 0"))
 
-    holders = {
-        r.request_id for r in ledger.records()
-        if r.phase is RequestPhase.FINISHED and r.blocks
-    }
+    holders = sum(1 for r in done if r.blocks)
     findings = list(out.groups.values())
     findings.extend(pool_level)
     findings.sort(key=lambda f: (f.cause.value, -(f.blocks), f.request_id or ""))
@@ -132,7 +133,7 @@ def reconcile(
     return Reconciliation(
         states=states,
         findings=findings,
-        finished_requests_holding=len(holders),
+        finished_requests_holding=holders,
         num_free_observed=n_zero,
     )
 
@@ -167,42 +168,65 @@ def _walk_every_block(
 
 
 def _classify_sparse(
-    refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int], interesting: set[int],
-    ledger: OwnershipLedger, dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int],
-    out: _Collector,
+    refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int],
+    ledger: OwnershipLedger, records: list[RequestRecord], done: list[RequestRecord],
+    dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int], out: _Collector,
 ) -> int:
-    """Fast path: Python work only for referenced, owned or suspect blocks.
+    """Fast path: Python work only for blocks that may be wrong, C-level passes for the rest.
 
-    Plain free and cached blocks (most of a drained pool) are counted with C-level
-    ``list.count`` and ``itertools.compress``; a block held by exactly one live
-    request with the matching ref count is counted ``active`` without further
-    work. This keeps a drained audit within a small multiple of merely reading
-    every ref count.
+    A *clean* block is held by exactly one live request with one reference, has no
+    unattributed reference and no double free, and its ref count is 1: it is counted
+    ``active`` with nothing more to say. Clean blocks (most of a busy pool) are found
+    and checked with C-level passes (gathers by ``itemgetter``, ``compress``,
+    ``list.count``); plain free and cached blocks (most of a drained pool) are only
+    counted. Blocks with a non-zero ref count that nobody owns (orphans) are searched
+    for only when the counts say some exist: the pool's non-zero ref counts must equal
+    the clean blocks plus the non-zero ones among the blocks judged one by one.
     """
     n = len(refs)
-    todo = set(compress(range(n), refs))  # every nonzero (incl. negative) ref count
-    todo |= interesting
-    todo -= nulls
-    # Block ids are plain ints at run time; NewType only exists for the type checker.
-    owners_map = cast(Mapping[int, object], ledger.owners_map())
-    live = {r.request_id for r in ledger.records() if r.phase.is_live}
+    finished = RequestPhase.FINISHED
+    live_blocks: list[int] = list(chain.from_iterable(
+        [r.blocks for r in records if r.phase is not finished]))
+    # Block ids are plain ints and request ids plain strs at run time (NewType).
+    owners = cast(Mapping[int, object], ledger.owners_map())
     unattributed = cast(Mapping[int, int], ledger.unattributed_map())
-    n_zero = refs.count(0) - sum(1 for b in nulls if b < n and refs[b] == 0)
-    zero_done = cached_done = active = cached_nonzero = 0
-    owners_get = owners_map.get
-    slow: list[int] = []
-    for b in todo:  # the common case first, in any order
+    slow: set[int] = set(chain.from_iterable([r.blocks for r in done]))
+    slow.update(unattributed.keys(), dbl.keys())
+    single = live_blocks
+    if live_blocks:
+        shown = _gather(owners, live_blocks)
+        single = list(compress(live_blocks, map(isinstance, shown, repeat(str))))
+        if len(single) != len(live_blocks):  # shared blocks: several owners or references
+            slow.update(compress(live_blocks, map(isinstance, shown, repeat(dict))))
+    if unattributed or dbl:
+        single = list(filterfalse(slow.__contains__, single))
+    if any(b in owners for b in nulls):
+        single = [b for b in single if b not in nulls]
+    clean = single
+    if single:
+        try:
+            held = _gather(refs, single)
+        except IndexError:  # the ledger names blocks the pool does not have: not judged
+            single = clean = [b for b in single if b < n]
+            held = _gather(refs, single) if single else ()
+        if held.count(1) != len(single):  # drift: judged one by one
+            clean = list(compress(single, map(eq, held, repeat(1))))
+            slow.update(compress(single, map(ne, held, repeat(1))))
+    active = len(clean)
+    cached_nonzero = active - count_falsy(_gather(cached, clean)) if clean else 0
+
+    zeros = refs.count(0)
+    nonzero = n - zeros - sum(1 for b in nulls if b < n and refs[b] != 0)
+    nonzero_slow = sum(1 for b in slow if b < n and b not in nulls and refs[b] != 0)
+    if nonzero != active + nonzero_slow:  # referenced blocks nobody owns: find them
+        slow.update(set(compress(range(n), refs)).difference(clean))
+    slow.difference_update(nulls)
+
+    n_zero = zeros - sum(1 for b in nulls if b < n and refs[b] == 0)
+    zero_done = cached_done = 0
+    for b in sorted(slow):  # block order: findings list block ids in order
         if b >= n:
             continue
-        if refs[b] == 1:
-            o = owners_get(b)
-            if o.__class__ is str and o in live and b not in unattributed and b not in dbl:
-                active += 1  # one live owner, one reference: nothing more to check
-                if cached[b]:
-                    cached_nonzero += 1
-                continue
-        slow.append(b)
-    for b in sorted(slow):  # block order: findings list block ids in order
         rc = refs[b]
         if rc == 0:
             zero_done += 1
@@ -212,12 +236,18 @@ def _classify_sparse(
             cached_nonzero += 1
         _classify(BlockId(b), rc, bool(cached[b]), None, ledger, dbl.get(b), counts, out)
     counts[BlockState.ACTIVE] += active
-    cached_zero_nulls = sum(1 for b in nulls if b < n and refs[b] == 0 and cached[b])
-    cached_total = n - count_falsy(cached)
-    n_cached = cached_total - cached_nonzero - cached_done - cached_zero_nulls
+    cached_total = n - count_falsy(cached) - sum(1 for b in nulls if b < n and cached[b])
+    n_cached = cached_total - cached_nonzero - cached_done
     counts[BlockState.CACHED] += n_cached
     counts[BlockState.FREE] += n_zero - zero_done - n_cached
     return n_zero
+
+
+def _gather(seq: Sequence[object] | Mapping[int, object], idx: list[int]) -> tuple[object, ...]:
+    """``tuple(seq[i] for i in idx)`` at C speed (``idx`` non-empty)."""
+    if len(idx) == 1:
+        return (seq[idx[0]],)
+    return cast(tuple[object, ...], itemgetter(*idx)(seq))
 
 
 def judge_block(

@@ -76,7 +76,7 @@ def count_falsy(seq: Sequence[object]) -> int:
     """
     if isinstance(seq, (bytes, bytearray)):
         return seq.count(0)
-    if isinstance(seq, list):
+    if isinstance(seq, (list, tuple)):
         if seq and isinstance(seq[0], int):  # bools or 0/1 (False == 0 counts both)
             return seq.count(False)
         return seq.count(None)

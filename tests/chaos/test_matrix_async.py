@@ -46,7 +46,7 @@ def _chaos(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str]
     out = tmp_path / "chaos.json"
     proc = subprocess.run(
         [sys.executable, "-m", "kvguard.cli.main", "chaos", "--json", str(out),
-         "--workdir", str(tmp_path / "work"), *args],
+         "--workdir", str(tmp_path / "work"), "--jobs", "2", *args],
         capture_output=True, text=True, timeout=3600, check=False)
     print(proc.stdout)
     return proc, [ScenarioResult.model_validate(r) for r in json.loads(out.read_text())]

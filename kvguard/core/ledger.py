@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from kvguard.core.types import (
@@ -135,6 +136,9 @@ class OwnershipLedger:
         # one reference): the value is then the owner's RequestId itself (a string the
         # record already holds, so it costs no allocation); a dict otherwise.
         self._owners: dict[BlockId, RequestId | dict[RequestId, int]] = {}
+        self._shared: set[BlockId] = set()
+        """The blocks whose ``_owners`` value is a dict (for audits: everything else is one
+        request holding one reference)."""
         self._unattributed: Counter[BlockId] = Counter()
         self._unattributed_kind: dict[BlockId, AcquireKind] = {}
         self._unattributed_serial: dict[BlockId, int] = {}
@@ -167,6 +171,11 @@ class OwnershipLedger:
         """Block -> owners, read-only, for audits: a ``RequestId`` when one request holds one
         reference, else {request: references}."""
         return self._owners
+
+    def shared_block_ids(self) -> AbstractSet[BlockId]:
+        """Blocks with more than one recorded reference (several owners, or one owner
+        twice), read-only: every other owned block has one owner holding one reference."""
+        return self._shared
 
     def unattributed_map(self) -> Mapping[BlockId, int]:
         """Block -> references no request has claimed yet."""
@@ -390,6 +399,7 @@ class OwnershipLedger:
             self._owners[bid] = rid
         elif isinstance(owners, str):
             self._owners[bid] = {rid: 2} if owners == rid else {owners: 1, rid: 1}
+            self._shared.add(bid)
         else:
             owners[rid] = owners.get(rid, 0) + 1
 
@@ -411,10 +421,12 @@ class OwnershipLedger:
                 del owners[rid]
             if not owners:
                 del self._owners[bid]
+                self._shared.discard(bid)
             elif len(owners) == 1:
                 ((only, refs),) = owners.items()
                 if refs == 1:
                     self._owners[bid] = only
+                    self._shared.discard(bid)
         if not rec.blocks and rec.deferred_free_pending:
             rec.deferred_free_pending = False
         self._maybe_compact(rec)

@@ -107,7 +107,7 @@ def reconcile(
                                    double_free_by_block, counts, out)
     else:
         n_zero = _classify_sparse(refs, cached, nulls, ledger, records, done,
-                                  double_free_by_block, counts, out)
+                                  double_free_by_block, counts, out, snapshot.zero_refs)
 
     pool_level: list[Finding] = []
     if free_q is None and snapshot.num_free_reported != n_zero:
@@ -171,6 +171,7 @@ def _classify_sparse(
     refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int],
     ledger: OwnershipLedger, records: list[RequestRecord], done: list[RequestRecord],
     dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int], out: _Collector,
+    zero_refs: int | None = None,
 ) -> int:
     """Fast path: Python work only for blocks that may be wrong, C-level passes for the rest.
 
@@ -192,14 +193,9 @@ def _classify_sparse(
     unattributed = cast(Mapping[int, int], ledger.unattributed_map())
     slow: set[int] = set(chain.from_iterable([r.blocks for r in done]))
     slow.update(unattributed.keys(), dbl.keys())
-    single = live_blocks
-    if live_blocks:
-        shown = _gather(owners, live_blocks)
-        single = list(compress(live_blocks, map(isinstance, shown, repeat(str))))
-        if len(single) != len(live_blocks):  # shared blocks: several owners or references
-            slow.update(compress(live_blocks, map(isinstance, shown, repeat(dict))))
-    if unattributed or dbl:
-        single = list(filterfalse(slow.__contains__, single))
+    # Several owners or references (prefix sharing): judged one by one.
+    slow.update(ledger.shared_block_ids())
+    single = list(filterfalse(slow.__contains__, live_blocks)) if slow else live_blocks
     if any(b in owners for b in nulls):
         single = [b for b in single if b not in nulls]
     clean = single
@@ -215,7 +211,7 @@ def _classify_sparse(
     active = len(clean)
     cached_nonzero = active - count_falsy(_gather(cached, clean)) if clean else 0
 
-    zeros = refs.count(0)
+    zeros = refs.count(0) if zero_refs is None else zero_refs
     nonzero = n - zeros - sum(1 for b in nulls if b < n and refs[b] != 0)
     nonzero_slow = sum(1 for b in slow if b < n and b not in nulls and refs[b] != 0)
     if nonzero != active + nonzero_slow:  # referenced blocks nobody owns: find them

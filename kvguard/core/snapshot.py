@@ -45,6 +45,9 @@ class PoolSnapshot:
     """The pool's own count of free blocks (vLLM: ``free_block_queue.num_free_blocks``)."""
     null_block_ids: frozenset[int] = frozenset({0})
     in_free_queue: Sequence[int] | None = None
+    zero_refs: int | None = None
+    """``ref_counts.count(0)`` (null blocks included) when the reader already counted it, so
+    the audit does not count again; ``None``: not counted."""
 
     def __post_init__(self) -> None:
         n = len(self.ref_counts)

@@ -27,13 +27,14 @@ def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot
     null = getattr(block_pool, "null_block", None)
     nulls = frozenset({null.block_id}) if null is not None else frozenset()
     num_free = int(block_pool.get_num_free_blocks())
-    n_zero = refs.count(0) - sum(1 for b in nulls if b < n and refs[b] == 0)
+    zero_refs = refs.count(0)
+    n_zero = zero_refs - sum(1 for b in nulls if b < n and refs[b] == 0)
     in_queue: bytearray | None = None
     if (walk_free_queue or n_zero != num_free) and blocks and hasattr(blocks[0],
                                                                       "prev_free_block"):
         in_queue = bytearray([b.prev_free_block is not None for b in blocks])
     return PoolSnapshot(ref_counts=refs, cached=cached, num_free_reported=num_free,
-                        null_block_ids=nulls, in_free_queue=in_queue)
+                        null_block_ids=nulls, in_free_queue=in_queue, zero_refs=zero_refs)
 
 
 def _read_refs_and_hashes(blocks: list[Any]) -> tuple[list[int], list[Any]]:

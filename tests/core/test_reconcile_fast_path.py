@@ -65,6 +65,9 @@ def test_fast_path_equals_the_block_by_block_walk(
     pool: list[tuple[int, bool]], ops: list[tuple[str, int, list[int]]]
 ) -> None:
     ledger = _ledger(ops)
+    # The ledger's index of shared blocks is exactly its blocks with more than one reference.
+    assert ledger.shared_block_ids() == {
+        b for b, o in ledger.owners_map().items() if isinstance(o, dict)}
     refs = [rc for rc, _ in pool]
     cached = [c for _, c in pool]
     n_zero = sum(1 for b, rc in enumerate(refs) if rc == 0 and b != 0)

@@ -142,4 +142,5 @@ if __name__ == "__main__":
     for row in online:
         print(row)
     save("audit", {"rows": rows, "online": online,
-                   "targets": {"100000": 20.0, "1000000": 200.0, "ratio": 3.0}})
+                   "targets": {"100000": 20.0, "1000000": 200.0, "ratio_drained": 3.0,
+                               "ratio_busy": 5.0}})

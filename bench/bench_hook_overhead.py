@@ -23,7 +23,7 @@ from typing import Any
 from common import save, stats
 
 CONCURRENCY = 64
-ROUNDS = int(os.environ.get("KVGUARD_BENCH_ROUNDS", "100"))
+ROUNDS = int(os.environ.get("KVGUARD_BENCH_ROUNDS", "40"))
 MAX_TOKENS = 96
 
 

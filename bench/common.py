@@ -42,3 +42,51 @@ def save(name: str, payload: dict[str, object]) -> None:
     payload = {"name": name, "machine": machine(), **payload}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float))
     print(json.dumps(payload, default=float))
+
+
+MARK = "@@kvguard-bench@@ "
+"""Prefix of a worker's own lines on stdout (vLLM logs to the same stream)."""
+
+
+def reply(payload: object) -> None:
+    """From a worker: send one JSON value to the driver."""
+    print(MARK + json.dumps(payload), flush=True)
+
+
+class Worker:
+    """A benchmark side in its own process: ``python SCRIPT worker ARGS...``, kept alive.
+
+    The worker sends ``reply("ready")`` once built and warm, then answers each line
+    :meth:`ask` writes to its stdin with one :func:`reply`. Its stderr (vLLM's logs) goes
+    to ``log``.
+    """
+
+    def __init__(self, script: str, args: Sequence[str], env: dict[str, str],
+                 log: Path) -> None:
+        import subprocess
+
+        self.log = log
+        self.proc = subprocess.Popen([sys.executable, script, "worker", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=log.open("wb"), text=True,
+                                     env={**os.environ, **env})
+        if self._reply() != "ready":
+            raise RuntimeError(f"benchmark worker did not start; see {log}")
+
+    def _reply(self) -> object:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); see {self.log}")
+
+    def ask(self, line: str) -> object:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)

@@ -1,0 +1,222 @@
+"""Target 8: scheduler time per step with kvguard vs without, every step counted, a real mix.
+
+Target 1 (``bench_hook_overhead.py``) times the steady state: only steps with all 64
+requests running. Here every step counts (admission, chunked prefills, finishing, the
+drained checkpoint each round ends with), on a workload with the paths where kvguard
+does more work:
+
+- prefix hits: 4 groups of 16 requests share a 64-token prefix;
+- preemption: 64 requests of up to 96 + 96 tokens do not fit a 160-block pool;
+- aborts: 8 requests are aborted mid-decode, at step 24 of each round;
+- speculative decoding: a draft model (the tiny draft, 3 tokens per step) whose drafts
+  the target mostly rejects (dummy weights), so rejected drafts roll blocks back.
+
+Two real in-process engines, each in a worker process of its own (kvguard with its
+defaults, and one built with ``KVGUARD_ENABLED=0``; vLLM 0.32's CPU build cannot build a
+second engine with speculative decoding in one process), both alive and warm, the same
+timing wrapper on both, outside kvguard's hooks; rounds alternate the order (ABBA).
+Reported: the ratio of mean step times (the criterion, target <= 1.02), the ratio of
+medians, the per-round ratios, and the slowest steps of
+each engine with what kvguard did in them, which is what makes a mean exceed a median.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from common import Worker, reply, save, stats
+
+ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_ROUNDS", "20"))
+REQUESTS = 64
+GROUPS = 4
+OUTPUT_TOKENS = 96
+ABORT_AT_STEP = 24
+ABORTED = 8
+POOL_BLOCKS = 160
+
+
+def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
+    """Time every ``schedule`` + ``update_from_output`` pair; tag what kvguard did in it."""
+    schedule, update = sched.schedule, sched.update_from_output
+    acc = [0]
+
+    def marks() -> tuple[int, int]:
+        if guard is None:
+            return 0, 0
+        return len(guard.reports), guard.online.stats.sweeps_total if guard.online else 0
+
+    def schedule_timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter_ns()
+        try:
+            return schedule(*a, **k)
+        finally:
+            acc[0] = time.perf_counter_ns() - t
+
+    def update_timed(*a: Any, **k: Any) -> Any:
+        before = marks()
+        t = time.perf_counter_ns()
+        try:
+            return update(*a, **k)
+        finally:
+            samples.append(acc[0] + time.perf_counter_ns() - t)
+            after = marks()
+            tags.append("checkpoint" if after[0] != before[0] else
+                        "sweep" if after[1] != before[1] else "")
+
+    sched.schedule, sched.update_from_output = schedule_timed, update_timed
+
+
+def prompt(group: int, r: int, n: int = 96) -> list[int]:
+    """A 64-token prefix per group, then a suffix of the request's own."""
+    prefix = [4 + (group * 997 + i * 37) % 500 for i in range(64)]
+    motif = [4 + (group * 131 + r * 17 + i * 29) % 500 for i in range(8)]
+    return prefix + (motif * ((n - 64) // 8 + 1))[: n - 64]
+
+
+def run_round(h: Any, seed: int) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    rids = []
+    for r in range(REQUESTS):
+        rid = f"r{seed}-{r}"
+        # Sampled (greedy accepts every draft on these dummy weights); both sides draw the
+        # same tokens from the engine's seeded generator, given the same hash seed (main).
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=1.0)
+        h.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt(r % GROUPS,
+                                                                       seed * 100 + r)),
+                             params)
+        rids.append(rid)
+    for _ in range(ABORT_AT_STEP):
+        h.engine.step()
+    h.engine.abort_request(rids[::REQUESTS // ABORTED][:ABORTED])
+    h.run_to_completion()
+
+
+def worker(enabled: str) -> None:
+    """One side in this process: a real engine, kvguard on or off; a round per ``run SEED``,
+    answered with its step times (us) and what kvguard did in each step."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from kvguard.chaos.harness import EngineHarness
+    from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
+    from kvguard.demo.tiny_model import make_draft_model, make_tiny_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
+    os.environ["KVGUARD_RUN_DIR"] = str(tmp / "run")
+    spec = EngineSpec(model_dir=make_tiny_model(tmp), num_gpu_blocks_override=POOL_BLOCKS,
+                      max_model_len=512, max_num_seqs=REQUESTS, max_num_batched_tokens=2048,
+                      kv_cache_memory_bytes=32 << 20,
+                      extra={"speculative_config": {"method": "draft_model",
+                                                    "model": str(make_draft_model(tmp)),
+                                                    "num_speculative_tokens": 3}})
+    h: Any
+    guard = None
+    if enabled == "on":
+        h = EngineHarness(spec)
+        guard = h.guard
+        sched = h.scheduler
+    else:
+        os.environ["KVGUARD_ENABLED"] = "0"
+        engine = build_engine(spec)
+        sched = scheduler_of(engine)
+        assert getattr(sched, "_kvguard", None) is None
+
+        class Off:  # the same driving interface, no guard
+            _n = 0
+            add = EngineHarness.add
+            step_until = EngineHarness.step_until
+            run_to_completion = EngineHarness.run_to_completion
+            vllm_metric = EngineHarness.vllm_metric
+
+        h = Off()
+        h.engine = engine
+    samples: list[int] = []
+    tags: list[str] = []
+    timed(sched, samples, tags, guard)
+    run_round(h, 0)  # warm-up
+    events0 = dict(guard.ledger.num_events) if guard else {}
+    reply("ready")
+    for line in sys.stdin:
+        if line.startswith("summary"):
+            m = h.vllm_metric
+            reply({"events": {e: n - events0.get(e, 0)
+                              for e, n in (guard.ledger.num_events.items() if guard else ())},
+                   "vllm": {k: m(k) for k in ("vllm:num_preemptions",
+                                              "vllm:prefix_cache_hits",
+                                              "vllm:spec_decode_num_draft_tokens",
+                                              "vllm:spec_decode_num_accepted_tokens")}})
+            continue
+        samples.clear()
+        tags.clear()
+        run_round(h, int(line.split()[1]))
+        reply({"us": [x / 1000 for x in samples], "tags": tags})
+    os._exit(0)
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_PLUGINS", "kvguard")
+    tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
+    # One hash seed for both: vLLM iterates sets of request ids, so two processes with
+    # different seeds schedule differently (measured: 25 % more steps on one side).
+    sides = {k: Worker(__file__, [k], {"PYTHONHASHSEED": "0"}, tmp / f"{k}.log")
+             for k in ("on", "off")}
+    us: dict[str, list[float]] = {"on": [], "off": []}
+    tags: dict[str, list[str]] = {"on": [], "off": []}
+    per_round: list[dict[str, float]] = []
+    try:
+        for r in range(1, ROUNDS + 1):
+            got: dict[str, list[float]] = {}
+            for k in (("on", "off") if r % 2 else ("off", "on")):
+                out = sides[k].ask(f"run {r}")
+                assert isinstance(out, dict)
+                got[k] = out["us"]
+                us[k] += out["us"]
+                tags[k] += out["tags"]
+            per_round.append({
+                "mean_ratio": statistics.fmean(got["on"]) / statistics.fmean(got["off"]),
+                "median_ratio": statistics.median(got["on"]) / statistics.median(got["off"]),
+                "steps_on": float(len(got["on"])), "steps_off": float(len(got["off"]))})
+        summary = {k: sides[k].ask("summary") for k in sides}
+    finally:
+        for w in sides.values():
+            w.close()
+    s = {k: stats(v) for k, v in us.items()}
+    mean_ratio = s["on"]["mean"] / s["off"]["mean"]
+    median_ratio = s["on"]["median"] / s["off"]["median"]
+    # What the slowest 1 % of steps are, and how much of the total they carry.
+    tails = {}
+    for k in us:
+        order = sorted(range(len(us[k])), key=us[k].__getitem__, reverse=True)
+        top = order[: max(1, len(order) // 100)]
+        kinds: dict[str, int] = {}
+        for i in top:
+            kind = tags[k][i] or "plain"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        ckpt = [us[k][i] for i, t in enumerate(tags[k]) if t == "checkpoint"]
+        tails[k] = {"slowest_1pct_share_of_time": sum(us[k][i] for i in top) / sum(us[k]),
+                    "slowest_1pct_kinds": kinds, "checkpoint_steps": len(ckpt),
+                    "checkpoint_us": stats(ckpt or [0.0]),
+                    "checkpoint_share_of_time": sum(ckpt) / sum(us[k])}
+    on_summary, off_summary = summary["on"], summary["off"]
+    assert isinstance(on_summary, dict) and isinstance(off_summary, dict)
+    print(f"every step: mean {s['on']['mean']:.1f} vs {s['off']['mean']:.1f} us "
+          f"(ratio {mean_ratio:.4f}); median ratio {median_ratio:.4f}; steps "
+          f"{len(us['on'])} vs {len(us['off'])}; {on_summary}")
+    save("step_mix", {
+        "with_us": s["on"], "without_us": s["off"], "mean_ratio": mean_ratio,
+        "median_ratio": median_ratio, "per_round": per_round, "tails": tails,
+        "rounds": ROUNDS, "target_mean_ratio": 1.02, "events": on_summary["events"],
+        "vllm_on": on_summary["vllm"], "vllm_off": off_summary["vllm"]})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker(sys.argv[2])
+    else:
+        main()

@@ -1,0 +1,242 @@
+"""Target 7: end-to-end throughput with kvguard (its defaults) vs without, as a user runs it.
+
+The workload (per repetition): 128 requests of a 64-token prefix shared by all plus a
+32-token suffix of their own, 96 output tokens each (``ignore_eos``), on the tiny Llama
+with a 256-block pool of 32 tokens and up to 64 requests scheduled per step, so prefix
+hits, queueing and preemption all happen. Throughput is output tokens per second of
+wall time, from the first request added to the last one finished.
+
+Three ways of running it, each kvguard on (the defaults: hooks, online audit, drained
+checkpoints with attribution) against kvguard off (``KVGUARD_ENABLED=0``):
+
+- ``inproc-sync`` / ``inproc-async``: vLLM's ``LLM.generate`` in a worker process, one
+  worker with kvguard and one without, both alive and warm, with vLLM's synchronous or
+  async scheduling (the CPU build's override undone by the test tooling);
+- ``server``: two real OpenAI servers on 127.0.0.1, driven by the official ``openai``
+  client (``AsyncOpenAI``, 128 concurrent completions).
+
+The two sides run one repetition each in turn, the order alternating per pair (ABBA),
+so machine drift cancels within a pair; the per-pair throughput ratio (on / off) is the
+sample. Pairs are added until the 95 % interval of the mean ratio is within +-0.5 % or
+the mode's time budget (``KVGUARD_BENCH_THROUGHPUT_SECONDS``, default 100 s per mode) is
+spent; the interval reached is reported either way. Target: mean >= 0.99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common import Worker, reply, save
+
+REQUESTS = 128
+PREFIX_TOKENS = 64
+SUFFIX_TOKENS = 32
+OUTPUT_TOKENS = 96
+POOL_BLOCKS = 256
+MAX_SEQS = 64
+BUDGET_SECONDS = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_SECONDS", "100"))
+MIN_PAIRS = 6
+MAX_PAIRS = 200
+TARGET_HALF_WIDTH = 0.005
+MODES = ("inproc-sync", "inproc-async", "server")
+
+
+def prompts(seed: int) -> list[list[int]]:
+    """Token ids: the shared prefix, then a suffix of the request's own (ids in 4..503)."""
+    prefix = [4 + (i * 37) % 500 for i in range(PREFIX_TOKENS)]
+    return [prefix + [4 + (seed * 7919 + r * 131 + i * 31) % 500 for i in range(SUFFIX_TOKENS)]
+            for r in range(REQUESTS)]
+
+
+def spec_for(model_dir: Path, scheduling: str) -> Any:
+    from kvguard.demo.engine import EngineSpec
+
+    return EngineSpec(model_dir=model_dir, num_gpu_blocks_override=POOL_BLOCKS,
+                      max_model_len=512, max_num_seqs=MAX_SEQS, max_num_batched_tokens=4096,
+                      kv_cache_memory_bytes=32 << 20, scheduling=scheduling)
+
+
+# Student's t, 97.5 % quantile, for 1..30 degrees of freedom (standard tables).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 97.5 % quantile of Student's t: the table, then its Cornish-Fisher expansion
+    (within 0.001 of the exact value for more than 30 degrees of freedom)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def t_interval(samples: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its two-sided 95 % Student-t interval."""
+    n = len(samples)
+    mean = statistics.fmean(samples)
+    if n < 2:
+        return mean, float("inf")
+    return mean, t975(n - 1) * statistics.stdev(samples) / n ** 0.5
+
+
+# ------------------------------------------------------------------ in-process worker
+def worker(scheduling: str, model_dir: str) -> None:
+    """One side: an ``LLM`` in this process; one repetition per ``run SEED`` on stdin."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvguard.demo.scheduling import Scheduling, requesting_async
+    from kvguard.demo.warmup import warm_up_engine
+
+    kwargs = spec_for(Path(model_dir), scheduling).engine_kwargs()
+    kwargs.pop("async_scheduling", None)
+    if scheduling == Scheduling.ASYNC:
+        with requesting_async():
+            llm = LLM(**kwargs, async_scheduling=True)
+    else:
+        llm = LLM(**kwargs)
+    warm_up_engine(llm.llm_engine)
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
+    reply("ready")
+    for line in sys.stdin:
+        seed = int(line.split()[1])
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed)]
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        reply({"seconds": dt, "tokens": tokens})
+    os._exit(0)
+
+
+class InProcessSide:
+    def __init__(self, mode: str, model_dir: Path, enabled: bool, log: Path) -> None:
+        self.worker = Worker(__file__, [mode.removeprefix("inproc-"), str(model_dir)],
+                             {"KVGUARD_ENABLED": "1" if enabled else "0",
+                              "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}-{int(enabled)}")},
+                             log)
+
+    def run(self, seed: int) -> tuple[float, int]:
+        out = self.worker.ask(f"run {seed}")
+        assert isinstance(out, dict)
+        return float(out["seconds"]), int(out["tokens"])
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+# ------------------------------------------------------------------ server side
+class ServerSide:
+    def __init__(self, model_dir: Path, enabled: bool, log: Path) -> None:
+        from openai import AsyncOpenAI
+
+        from kvguard.demo.engine import ServerProcess
+
+        env = {"KVGUARD_ENABLED": "1" if enabled else "0",
+               "KVGUARD_RUN_DIR": str(log.parent / f"run-server-{int(enabled)}")}
+        self.spec = spec_for(model_dir, "sync")
+        self.server = ServerProcess(self.spec, log_path=log, env=env)
+        self.server.start()
+        self.client = AsyncOpenAI(base_url=self.server.base_url + "/v1", api_key="unused",
+                                  max_retries=0, timeout=600)
+        self.loop = asyncio.new_event_loop()
+
+    async def _one(self, p: list[int]) -> int:
+        out = await self.client.completions.create(
+            model=self.spec.served_model_name, prompt=p, max_tokens=OUTPUT_TOKENS,
+            temperature=0.0, extra_body={"ignore_eos": True})
+        return out.usage.completion_tokens if out.usage else 0
+
+    async def _batch(self, seed: int) -> int:
+        return sum(await asyncio.gather(*(self._one(p) for p in prompts(seed))))
+
+    def run(self, seed: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        tokens = self.loop.run_until_complete(self._batch(seed))
+        return time.perf_counter() - t0, tokens
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+        self.server.stop()
+
+
+def measure(mode: str, make: Callable[[bool], Any]) -> dict[str, object]:
+    sides = {True: make(True), False: make(False)}
+    try:
+        for enabled in (True, False):  # one untimed repetition each: caches and JIT warm
+            sides[enabled].run(0)
+        ratios: list[float] = []
+        seconds: dict[bool, list[float]] = {True: [], False: []}
+        started = time.monotonic()
+        pair = 0
+        while pair < MAX_PAIRS:
+            pair += 1
+            order = (True, False) if pair % 2 else (False, True)
+            got = {}
+            for enabled in order:
+                dt, tokens = sides[enabled].run(pair)
+                if tokens != REQUESTS * OUTPUT_TOKENS:
+                    raise RuntimeError(f"{mode}: {tokens} tokens generated, expected "
+                                       f"{REQUESTS * OUTPUT_TOKENS}")
+                got[enabled] = dt
+                seconds[enabled].append(dt)
+            ratios.append(got[False] / got[True])  # throughput on / off
+            mean, half = t_interval(ratios)
+            if pair >= MIN_PAIRS and (half <= TARGET_HALF_WIDTH
+                                      or time.monotonic() - started > BUDGET_SECONDS):
+                break
+    finally:
+        for side in sides.values():
+            side.close()
+    mean, half = t_interval(ratios)
+    tps = {k: REQUESTS * OUTPUT_TOKENS / statistics.median(v) for k, v in seconds.items()}
+    row = {"mode": mode, "pairs": len(ratios), "mean_ratio": mean, "ci95_half_width": half,
+           "median_ratio": statistics.median(ratios), "ratios": ratios,
+           "tokens_per_second_on": tps[True], "tokens_per_second_off": tps[False],
+           "seconds_on": seconds[True], "seconds_off": seconds[False]}
+    print(f"{mode}: mean throughput ratio {mean:.4f} +- {half:.4f} (95 %, {len(ratios)} pairs);"
+          f" {tps[True]:.0f} vs {tps[False]:.0f} tokens/s", flush=True)
+    return row
+
+
+def main() -> None:
+    from kvguard.demo.tiny_model import make_tiny_model
+
+    os.environ.setdefault("VLLM_PLUGINS", "kvguard")
+    tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-tput-"))
+    model_dir = make_tiny_model(tmp)
+    wanted = [m for m in os.environ.get("KVGUARD_BENCH_THROUGHPUT_MODES", ",".join(MODES))
+              .split(",") if m]
+    rows = []
+    for mode in wanted:
+        if mode == "server":
+            rows.append(measure(mode, lambda on: ServerSide(model_dir, on,
+                                                            tmp / f"server-{int(on)}.log")))
+        else:
+            rows.append(measure(mode, lambda on, m=mode: InProcessSide(
+                m, model_dir, on, tmp / f"{m}-{int(on)}.log")))
+    save("throughput", {"rows": rows, "target_mean_ratio": 0.99,
+                        "target_ci95_half_width": TARGET_HALF_WIDTH,
+                        "workload": {"requests": REQUESTS, "prefix_tokens": PREFIX_TOKENS,
+                                     "suffix_tokens": SUFFIX_TOKENS,
+                                     "output_tokens": OUTPUT_TOKENS,
+                                     "pool_blocks": POOL_BLOCKS, "max_num_seqs": MAX_SEQS},
+                        "budget_seconds_per_mode": BUDGET_SECONDS})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        worker(sys.argv[2], sys.argv[3])
+    else:
+        main()

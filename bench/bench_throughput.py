@@ -47,6 +47,9 @@ MIN_PAIRS = 6
 MAX_PAIRS = 200
 TARGET_HALF_WIDTH = 0.005
 MODES = ("inproc-sync", "inproc-async", "server")
+SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
+"""Both sides: vLLM iterates sets of request ids, so two processes with different hash
+seeds schedule (preempt, admit) differently and do different work."""
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -122,7 +125,7 @@ def worker(scheduling: str, model_dir: str) -> None:
 class InProcessSide:
     def __init__(self, mode: str, model_dir: Path, enabled: bool, log: Path) -> None:
         self.worker = Worker(__file__, [mode.removeprefix("inproc-"), str(model_dir)],
-                             {"KVGUARD_ENABLED": "1" if enabled else "0",
+                             {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
                               "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}-{int(enabled)}")},
                              log)
 
@@ -142,7 +145,7 @@ class ServerSide:
 
         from kvguard.demo.engine import ServerProcess
 
-        env = {"KVGUARD_ENABLED": "1" if enabled else "0",
+        env = {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
                "KVGUARD_RUN_DIR": str(log.parent / f"run-server-{int(enabled)}")}
         self.spec = spec_for(model_dir, "sync")
         self.server = ServerProcess(self.spec, log_path=log, env=env)

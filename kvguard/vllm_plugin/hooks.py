@@ -106,6 +106,9 @@ def install_hooks(g: EngineGuard) -> None:
     transfers = vllm.transfers
     owner: list[RequestId | None] = [None]
     """The request whose lifecycle call is running (pool calls inside it are its)."""
+    finishing: list[RequestId | None] = [None]
+    """The request inside ``_free_request``, claimed by ``on_finished`` just before: its
+    table cannot change until ``_free_request_blocks``, which need not claim it again."""
     schedule_seconds = [0.0]
     """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
     track_in_flight = [False]
@@ -202,12 +205,14 @@ def install_hooks(g: EngineGuard) -> None:
             rid: RequestId | None = None
             try:
                 rid = RequestId(request.request_id)
-                g.on_finished(rid, finish_reason_of(request), time.time())
+                g.on_finished(rid, finish_reason_of(request), time.time())  # claims it
+                finishing[0] = rid
             except Exception as exc:
                 errors.record("finish", exc)
             try:
                 return call_as(rid, orig, request, *args, **kwargs)
             finally:
+                finishing[0] = None
                 try:
                     if rid is not None and vllm.holds_request(rid):
                         # The KV connector delayed the free: vLLM keeps the request.
@@ -228,7 +233,8 @@ def install_hooks(g: EngineGuard) -> None:
             n_deferred = 0
             try:
                 rid = RequestId(request.request_id)
-                g.claim(rid)  # also reached from delayed-free completions: claim here too
+                if finishing[0] != rid:  # a delayed-free completion, not a finish: claim
+                    g.claim(rid)
                 n_deferred = vllm.num_deferred_frees()
             except Exception as exc:
                 errors.record("free_request_blocks", exc)

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
+from kvguard.demo.ports import LOOPBACK, free_loopback_port
 from kvguard.demo.scheduling import Scheduling, requesting_async, server_env
 from kvguard.demo.warmup import WarmupError, warm_up_engine, warm_up_server
 from kvguard.errors import ConfigError, KvguardError
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 CPU_BLOCK_SIZE_MULTIPLE: Final = 32
 """vLLM's CPU attention only accepts KV block sizes (tokens) that are multiples of this."""
 
-LOOPBACK: Final = "127.0.0.1"
 
 
 @dataclass(frozen=True)
@@ -249,14 +248,6 @@ class ServerStartError(KvguardError, RuntimeError):
         self.log_path = log_path
         self.log_tail = log_tail
         super().__init__(f"vLLM server {reason}; log {log_path} ends with:\n{log_tail}")
-
-
-def free_loopback_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (another process may still take it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class ServerProcess:

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.demo.engine import EngineSpec, ServerProcess, free_loopback_port
+from kvguard.demo.engine import EngineSpec, ServerProcess
+from kvguard.demo.ports import free_loopback_port
 
 DEFAULT_LEASE_SECONDS = 12
 """Tests' NIXL lease: heartbeats every 2 s extend it by 8 s; a lapsed one is seen in 12 s."""

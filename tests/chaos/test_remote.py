@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import httpx
 
 from kvguard.demo.engine import EngineSpec, ServerProcess
+from kvguard.demo.ports import free_loopback_port
 from kvguard.demo.tiny_model import make_tiny_model
 
 
@@ -21,9 +21,7 @@ def test_chaos_against_a_running_deployment_reads_the_verdict_from_its_sidecar(
     run_dir = tmp_path / "run"
     spec = EngineSpec(model_dir=make_tiny_model(tmp_path / "model"), max_num_seqs=8)
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()
     with ServerProcess(spec, log_path=tmp_path / "server.log", env=env) as server:
         sidecar = subprocess.Popen([sys.executable, "-m", "kvguard.cli.main", "sidecar",
                                     "--port", str(port), "--run-dir", str(run_dir)])

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from kvguard.demo.ports import free_loopback_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -85,9 +86,7 @@ def require_tool(name: str, how: str) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_loopback_port()
 
 
 def render_module() -> ModuleType:

@@ -21,7 +21,6 @@ never from kvguard's counters.
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -52,6 +51,7 @@ from _observed import (
 
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.engine import EngineSpec, ServerProcess
+from kvguard.demo.ports import free_loopback_port
 from kvguard.demo.run import wait_for_checkpoint
 from kvguard.demo.tiny_model import WORDS, make_tiny_model
 from kvguard.demo.warmup import WARMUP_PROMPT_TOKENS
@@ -238,9 +238,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_loopback_port()
 
 
 @pytest.fixture(scope="session")

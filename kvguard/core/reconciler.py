@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain, compress, filterfalse, repeat
+from itertools import chain, compress, repeat
 from operator import eq, itemgetter, ne
 from typing import cast
 
@@ -106,7 +106,7 @@ def reconcile(
         n_zero = _walk_every_block(refs, cached, free_q, nulls, interesting, ledger,
                                    double_free_by_block, counts, out)
     else:
-        n_zero = _classify_sparse(refs, cached, nulls, ledger, records, done,
+        n_zero = _classify_sparse(refs, cached, nulls, ledger, done,
                                   double_free_by_block, counts, out, snapshot.zero_refs)
 
     pool_level: list[Finding] = []
@@ -167,9 +167,13 @@ def _walk_every_block(
     return n_zero
 
 
+_FEW = 64
+"""Up to this many slow blocks are looked up one by one before building a set difference."""
+
+
 def _classify_sparse(
     refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int],
-    ledger: OwnershipLedger, records: list[RequestRecord], done: list[RequestRecord],
+    ledger: OwnershipLedger, done: list[RequestRecord],
     dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int], out: _Collector,
     zero_refs: int | None = None,
 ) -> int:
@@ -185,9 +189,6 @@ def _classify_sparse(
     the clean blocks plus the non-zero ones among the blocks judged one by one.
     """
     n = len(refs)
-    finished = RequestPhase.FINISHED
-    live_blocks: list[int] = list(chain.from_iterable(
-        [r.blocks for r in records if r.phase is not finished]))
     # Block ids are plain ints and request ids plain strs at run time (NewType).
     owners = cast(Mapping[int, object], ledger.owners_map())
     unattributed = cast(Mapping[int, int], ledger.unattributed_map())
@@ -195,7 +196,14 @@ def _classify_sparse(
     slow.update(unattributed.keys(), dbl.keys())
     # Several owners or references (prefix sharing): judged one by one.
     slow.update(ledger.shared_block_ids())
-    single = list(filterfalse(slow.__contains__, live_blocks)) if slow else live_blocks
+    # Every owned block that is not slow has exactly one owner, a live request, holding
+    # one reference: the ledger's owner keys minus the slow set (no walk over records).
+    if not slow:
+        single: list[int] = list(owners)
+    elif len(slow) <= _FEW and not any(map(owners.__contains__, slow)):
+        single = list(owners)
+    else:
+        single = list(owners.keys() - slow)
     if any(b in owners for b in nulls):
         single = [b for b in single if b not in nulls]
     clean = single

@@ -8,8 +8,16 @@ does more work:
 - prefix hits: 4 groups of 16 requests share a 64-token prefix;
 - preemption: 64 requests of up to 96 + 96 tokens do not fit a 160-block pool;
 - aborts: 8 requests are aborted mid-decode, at step 24 of each round;
-- speculative decoding: a draft model (the tiny draft, 3 tokens per step) whose drafts
-  the target mostly rejects (dummy weights), so rejected drafts roll blocks back.
+- speculative decoding: a draft model (the tiny draft, 3 tokens per step), so every
+  step allocates lookahead slots for the drafts.
+
+Decoding is greedy, so that both engines take exactly the same steps and the per-step
+mean compares the same batches. Sampled runs diverge between two processes even with
+kvguard off on both (measured: 70 vs 91 steps for the same round; the batch order and
+the CPU kernels' float sums change which token a request draws), so a per-step mean
+would compare different work. Greedy costs nothing kvguard hooks: on these dummy
+weights the target accepts every draft, and a rejected draft only rolls vLLM's token
+counters back (``Scheduler.update_from_output``), it frees no block.
 
 Two real in-process engines, each in a worker process of its own (kvguard with its
 defaults, and one built with ``KVGUARD_ENABLED=0``; vLLM 0.32's CPU build cannot build a
@@ -86,9 +94,8 @@ def run_round(h: Any, seed: int) -> None:
     rids = []
     for r in range(REQUESTS):
         rid = f"r{seed}-{r}"
-        # Sampled (greedy accepts every draft on these dummy weights); both sides draw the
-        # same tokens from the engine's seeded generator, given the same hash seed (main).
-        params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=1.0)
+        # Greedy: both sides take the same steps (module docstring).
+        params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
         h.engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt(r % GROUPS,
                                                                        seed * 100 + r)),
                              params)
@@ -164,7 +171,10 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
     # One hash seed for both: vLLM iterates sets of request ids, so two processes with
     # different seeds schedule differently (measured: 25 % more steps on one side).
-    sides = {k: Worker(__file__, [k], {"PYTHONHASHSEED": "0"}, tmp / f"{k}.log")
+    # And the request ids vLLM gives the engine without its random 8-character suffix,
+    # which would order the batches differently on the two sides.
+    same = {"PYTHONHASHSEED": "0", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}
+    sides = {k: Worker(__file__, [k], same, tmp / f"{k}.log")
              for k in ("on", "off")}
     us: dict[str, list[float]] = {"on": [], "off": []}
     tags: dict[str, list[str]] = {"on": [], "off": []}

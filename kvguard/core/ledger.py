@@ -26,6 +26,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import cast
 
 from kvguard.core.types import (
     AcquireKind,
@@ -303,8 +304,7 @@ class OwnershipLedger:
         if request_id is None:
             self._serial += 1
             serial = self._serial
-            for b in block_ids:
-                bid = BlockId(b)
+            for bid in _as_block_ids(block_ids):
                 if bid in self._null_blocks:
                     continue
                 self._unattributed[bid] += 1
@@ -314,8 +314,7 @@ class OwnershipLedger:
         rec = self._ensure(request_id)
         if rec.phase is RequestPhase.WAITING or rec.phase is RequestPhase.PREEMPTED:
             rec.phase = RequestPhase.RUNNING
-        for b in block_ids:
-            bid = BlockId(b)
+        for bid in _as_block_ids(block_ids):
             if bid in self._null_blocks:
                 continue
             self._add_ref(rec, bid)
@@ -334,9 +333,11 @@ class OwnershipLedger:
         ids = list(block_ids)
         if ids and rec.phase in (RequestPhase.WAITING, RequestPhase.PREEMPTED):
             rec.phase = RequestPhase.RUNNING  # it holds blocks again: it was scheduled
-        for b in ids:
-            bid = BlockId(b)
-            if bid in self._null_blocks or bid in rec.blocks:
+        held = rec.blocks
+        # At a finish or preemption the request usually holds all of them already.
+        # An id listed twice (two KV groups' tables) is claimed once, as before.
+        for bid in dict.fromkeys([b for b in _as_block_ids(ids) if b not in held]):
+            if bid in self._null_blocks:
                 continue
             if self._unattributed.get(bid, 0) > 0:
                 self._take_unattributed(bid)
@@ -353,8 +354,7 @@ class OwnershipLedger:
         live one, an unattributed reference, and last a request already freed.
         """
         self.num_events["release"] += 1
-        for b in block_ids:
-            bid = BlockId(b)
+        for bid in _as_block_ids(block_ids):
             if bid in self._null_blocks:
                 continue
             if request_id is not None:
@@ -478,3 +478,9 @@ class OwnershipLedger:
         ):
             del self._records[rec.request_id]
             self.num_finished_compacted[rec.finish_reason or FinishReason.UNKNOWN] += 1
+
+
+def _as_block_ids(block_ids: Iterable[int]) -> Iterable[BlockId]:
+    """The engine's block ids as ``BlockId`` without a call per id (``NewType`` is a
+    Python-level call on CPython 3.11: 60-80 ns per block on the hooks' hot path)."""
+    return cast(Iterable[BlockId], block_ids)

@@ -167,10 +167,6 @@ def _walk_every_block(
     return n_zero
 
 
-_FEW = 64
-"""Up to this many slow blocks are looked up one by one before building a set difference."""
-
-
 def _classify_sparse(
     refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int],
     ledger: OwnershipLedger, done: list[RequestRecord],
@@ -197,33 +193,37 @@ def _classify_sparse(
     # Several owners or references (prefix sharing): judged one by one.
     slow.update(ledger.shared_block_ids())
     # Every owned block that is not slow has exactly one owner, a live request, holding
-    # one reference: the ledger's owner keys minus the slow set (no walk over records).
-    if not slow:
-        single: list[int] = list(owners)
-    elif len(slow) <= _FEW and not any(map(owners.__contains__, slow)):
-        single = list(owners)
-    else:
-        single = list(owners.keys() - slow)
-    if any(b in owners for b in nulls):
-        single = [b for b in single if b not in nulls]
-    clean = single
-    if single:
-        try:
-            held = _gather(refs, single)
-        except IndexError:  # the ledger names blocks the pool does not have: not judged
-            single = clean = [b for b in single if b < n]
-            held = _gather(refs, single) if single else ()
-        if held.count(1) != len(single):  # drift: judged one by one
-            clean = list(compress(single, map(eq, held, repeat(1))))
-            slow.update(compress(single, map(ne, held, repeat(1))))
-    active = len(clean)
-    cached_nonzero = active - count_falsy(_gather(cached, clean)) if clean else 0
+    # one reference. They are checked through gathers over all the ledger's owner keys,
+    # corrected for the few owned blocks judged one by one (``excluded``), so neither a
+    # walk over the records' tables nor a set difference over 40 % of the pool is built.
+    owned: list[int] = list(owners)
+    excluded = {b for b in slow if b in owners}
+    excluded.update(b for b in nulls if b in owners)
+    try:
+        held = _gather(refs, owned) if owned else ()
+    except IndexError:  # the ledger names blocks the pool does not have: not judged
+        owned = [b for b in owned if b < n]
+        excluded = {b for b in excluded if b < n}
+        held = _gather(refs, owned) if owned else ()
+    clean: list[int] | None = None  # None: every owned block but the excluded ones
+    active = len(owned) - len(excluded)
+    if held.count(1) - sum(1 for b in excluded if refs[b] == 1) == active:
+        cached_owned = len(owned) - count_falsy(_gather(cached, owned)) if owned else 0
+        cached_nonzero = cached_owned - sum(1 for b in excluded if cached[b])
+    else:  # drift: judged one by one
+        single = [b for b in owned if b not in excluded]
+        held = _gather(refs, single) if single else ()
+        clean = list(compress(single, map(eq, held, repeat(1))))
+        slow.update(compress(single, map(ne, held, repeat(1))))
+        active = len(clean)
+        cached_nonzero = active - count_falsy(_gather(cached, clean)) if clean else 0
 
     zeros = refs.count(0) if zero_refs is None else zero_refs
     nonzero = n - zeros - sum(1 for b in nulls if b < n and refs[b] != 0)
     nonzero_slow = sum(1 for b in slow if b < n and b not in nulls and refs[b] != 0)
     if nonzero != active + nonzero_slow:  # referenced blocks nobody owns: find them
-        slow.update(set(compress(range(n), refs)).difference(clean))
+        clean_ids = clean if clean is not None else set(owned).difference(excluded)
+        slow.update(set(compress(range(n), refs)).difference(clean_ids))
     slow.difference_update(nulls)
 
     n_zero = zeros - sum(1 for b in nulls if b < n and refs[b] == 0)

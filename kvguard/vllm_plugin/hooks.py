@@ -38,7 +38,7 @@ from typing import Any, Final
 from kvguard.core.types import RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard
-from kvguard.vllm_plugin.pool_reader import counts_in
+from kvguard.vllm_plugin.pool_reader import block_ids_in
 
 log = logging.getLogger("kvguard")
 
@@ -129,7 +129,7 @@ def install_hooks(g: EngineGuard) -> None:
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             ret = orig(*args, **kwargs)
             try:
-                allocated(owner[0], [b.block_id for b in ret if counts_in(b, pool)])
+                allocated(owner[0], block_ids_in(ret, pool))
             except Exception as exc:
                 errors.record("get_new_blocks", exc)
             return ret
@@ -140,7 +140,7 @@ def install_hooks(g: EngineGuard) -> None:
             blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
             ret = orig(blocks, *args, **kwargs)
             try:
-                hit(owner[0], [b.block_id for b in blocks if counts_in(b, pool)])
+                hit(owner[0], block_ids_in(blocks, pool))
             except Exception as exc:
                 errors.record("touch", exc)
             return ret
@@ -152,7 +152,7 @@ def install_hooks(g: EngineGuard) -> None:
                 blocks = blocks if isinstance(blocks, list) else list(blocks)
                 ret = orig(blocks, *args, **kwargs)
                 try:
-                    freed(owner[0], [b.block_id for b in blocks if counts_in(b, pool)])
+                    freed(owner[0], block_ids_in(blocks, pool))
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret

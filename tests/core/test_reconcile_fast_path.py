@@ -56,6 +56,21 @@ def _said(rec: Reconciliation) -> list[tuple[object, ...]]:
     return sorted(map(one, rec.findings), key=repr)
 
 
+def _assert_fast_path_equals_walk(refs: list[int], cached: list[bool],
+                                  ledger: OwnershipLedger) -> None:
+    n_zero = sum(1 for b, rc in enumerate(refs) if rc == 0 and b != 0)
+    n_negative = sum(1 for b, rc in enumerate(refs) if rc < 0 and b != 0)
+    num_free = n_zero + n_negative  # as vLLM counts: negative blocks sit in the free queue
+    opts = ReconcileOptions(now=10.0)
+    fast = reconcile(PoolSnapshot(refs, cached, num_free), ledger, opts)
+    walked = reconcile(PoolSnapshot(refs, cached, num_free,
+                                    in_free_queue=[rc <= 0 for rc in refs]), ledger, opts)
+    assert fast.states == walked.states
+    assert _said(fast) == _said(walked)
+    assert fast.num_free_observed == walked.num_free_observed
+    assert fast.finished_requests_holding == walked.finished_requests_holding
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     pool=st.lists(st.tuples(st.integers(-1, 3), st.booleans()), min_size=2, max_size=36),
@@ -70,17 +85,7 @@ def test_fast_path_equals_the_block_by_block_walk(
         b for b, o in ledger.owners_map().items() if isinstance(o, dict)}
     refs = [rc for rc, _ in pool]
     cached = [c for _, c in pool]
-    n_zero = sum(1 for b, rc in enumerate(refs) if rc == 0 and b != 0)
-    n_negative = sum(1 for b, rc in enumerate(refs) if rc < 0 and b != 0)
-    num_free = n_zero + n_negative  # as vLLM counts: negative blocks sit in the free queue
-    opts = ReconcileOptions(now=10.0)
-    fast = reconcile(PoolSnapshot(refs, cached, num_free), ledger, opts)
-    walked = reconcile(PoolSnapshot(refs, cached, num_free,
-                                    in_free_queue=[rc <= 0 for rc in refs]), ledger, opts)
-    assert fast.states == walked.states
-    assert _said(fast) == _said(walked)
-    assert fast.num_free_observed == walked.num_free_observed
-    assert fast.finished_requests_holding == walked.finished_requests_holding
+    _assert_fast_path_equals_walk(refs, cached, ledger)
 
 
 @settings(max_examples=300, deadline=None)
@@ -107,15 +112,7 @@ def test_fast_path_equals_the_walk_on_pools_that_mostly_agree_with_the_ledger(
     for b, rc in drift:
         refs[b] = rc
     refs[0] = 0
-    n_zero = sum(1 for b, rc in enumerate(refs) if rc == 0 and b != 0)
-    num_free = n_zero + sum(1 for b, rc in enumerate(refs) if rc < 0 and b != 0)
-    opts = ReconcileOptions(now=10.0)
-    fast = reconcile(PoolSnapshot(refs, cached, num_free), ledger, opts)
-    walked = reconcile(PoolSnapshot(refs, cached, num_free,
-                                    in_free_queue=[rc <= 0 for rc in refs]), ledger, opts)
-    assert fast.states == walked.states
-    assert _said(fast) == _said(walked)
-    assert fast.num_free_observed == walked.num_free_observed
+    _assert_fast_path_equals_walk(refs, cached, ledger)
 
 
 def test_a_busy_pool_of_clean_blocks_takes_no_finding() -> None:

@@ -2,7 +2,8 @@
 
 The engine thread calls ``offer(state)``, which swaps one reference under a
 lock held for a few instructions and sets an event. A daemon thread writes
-the newest state atomically (temp file + ``os.replace``) to
+the newest state atomically (temp file + ``os.replace``; each checkpoint report is
+serialized once, :mod:`kvguard.transport.encoding`) to
 ``<run_dir>/<engine>.json`` with mode 0600 in a 0700 directory. If the writer
 is slower than the engine, intermediate states are dropped (counted in
 ``drops``): only the newest state matters because each one is complete.
@@ -20,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from kvguard.transport.encoding import StateEncoder
 from kvguard.transport.state import EngineState
 
 log = logging.getLogger("kvguard.transport")
@@ -46,6 +48,7 @@ class StatePublisher:
         self.writes = 0
         self.errors = 0
         self._warned = False
+        self._encoder = StateEncoder()  # used by the writer thread only
         self._thread = threading.Thread(target=self._run, name=f"kvguard-publish-{engine}",
                                         daemon=True)
         self._thread.start()
@@ -99,7 +102,7 @@ class StatePublisher:
 
     def _write(self, state: EngineState) -> None:
         self._run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        data = state.model_dump_json().encode()
+        data = self._encoder.encode(state)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

@@ -90,3 +90,27 @@ class Worker:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         self.proc.wait(timeout=120)
+
+
+# Student's t, 97.5 % quantile, for 1..30 degrees of freedom (standard tables).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 97.5 % quantile of Student's t: the table, then its Cornish-Fisher expansion
+    (within 0.001 of the exact value for more than 30 degrees of freedom)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def t_interval(samples: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its two-sided 95 % Student-t interval."""
+    n = len(samples)
+    mean = statistics.fmean(samples)
+    if n < 2:
+        return mean, float("inf")
+    return mean, t975(n - 1) * statistics.stdev(samples) / n ** 0.5

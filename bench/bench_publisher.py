@@ -6,7 +6,8 @@ real state file. What the engine pays: building the ``EngineState`` on its own t
 (``GuardSession.state``), and the writer thread's JSON serialization, which holds the
 GIL against it (the file write itself releases it). Measured two ways:
 
-1. the parts, timed alone: state build and ``model_dump_json`` per publish;
+1. the parts, timed alone: state build and the writer's serialization per publish
+   (``StateEncoder``: each frozen report is serialized once, the rest every time);
 2. the engine thread's lost time, directly: a CPU-bound loop on the main thread
    counts fixed work units for ``SECONDS`` seconds with the session publishing at 1 s
    (a real ``StatePublisher`` writer thread) and without; the loss is the drop in its
@@ -85,13 +86,16 @@ def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped
 if __name__ == "__main__":
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-publisher-"))
     s = build_session(tmp / "run")
+    from kvguard.transport.encoding import StateEncoder
+
+    encoder = StateEncoder()  # what the writer thread serializes with
     build_ms, dump_ms = [], []
     for _ in range(50):
         t = time.perf_counter()
         st = s.state()
         build_ms.append((time.perf_counter() - t) * 1000)
         t = time.perf_counter()
-        data = st.model_dump_json()
+        data = encoder.encode(st)
         dump_ms.append((time.perf_counter() - t) * 1000)
     parts_fraction = (statistics.median(build_ms) + statistics.median(dump_ms)) / 1000 \
         / PUBLISH_INTERVAL

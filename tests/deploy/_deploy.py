@@ -16,8 +16,6 @@ from typing import Any
 import pytest
 import yaml
 
-from kvguard.demo.ports import free_loopback_port
-
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
@@ -83,10 +81,6 @@ def require_tool(name: str, how: str) -> str:
     if path is None:
         pytest.fail(f"`{name}` is required by the deploy tests and was not found: {how}")
     return path
-
-
-def free_port() -> int:
-    return free_loopback_port()
 
 
 def render_module() -> ModuleType:

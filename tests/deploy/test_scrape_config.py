@@ -34,10 +34,11 @@ from _deploy import (
     VENV_BIN,
     cli_options,
     container,
-    free_port,
     require_tool,
     the_object,
 )
+
+from kvguard.demo.ports import free_loopback_port
 
 TOKEN = "test-control-token"
 NAMESPACE = "inference"
@@ -159,7 +160,7 @@ def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     assert executable.exists(), f"{executable} missing: pip install -e . into the venv"
     options = cli_options(command)
     assert set(options) == {"host", "port", "run-dir"}, options
-    port = free_port()
+    port = free_loopback_port()
     argv = [str(executable), *command[1:2], "--host=127.0.0.1", f"--port={port}",
             f"--run-dir={run_dir}"]
     env = {**os.environ, "KVGUARD_CONTROL_TOKEN": TOKEN}
@@ -212,8 +213,9 @@ def test_sidecar_started_as_in_the_manifest_serves_probes_and_guards_post(sideca
 def test_prometheus_scrapes_the_sidecar_with_namespace_and_pod_labels(
         sidecar: str, tmp_path: Path) -> None:
     prometheus = require_tool("prometheus", "apt-get install prometheus (Debian)")
-    config = _write_config(tmp_path, _offline_config(sidecar, f"127.0.0.1:{free_port()}", "1s"))
-    port = free_port()
+    nobody_listens = f"127.0.0.1:{free_loopback_port()}"
+    config = _write_config(tmp_path, _offline_config(sidecar, nobody_listens, "1s"))
+    port = free_loopback_port()
     api = f"http://127.0.0.1:{port}/api/v1"
     argv = [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
             f"--web.listen-address=127.0.0.1:{port}"]

@@ -91,7 +91,7 @@ def _prompt(seed: int, n: int) -> str:
 def _sidecar(run_dir: Path, engines: int) -> Iterator[str]:
     """The real ``kvguard sidecar`` on ``run_dir`` (its own process); yields its /metrics URL
     once it serves ``engines`` engines."""
-    port = _free_port()
+    port = free_loopback_port()
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "kvguard.cli.main", "sidecar", "--host", "127.0.0.1",
          "--port", str(port), "--run-dir", str(run_dir)],
@@ -237,10 +237,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=5)
 
 
-def _free_port() -> int:
-    return free_loopback_port()
-
-
 @pytest.fixture(scope="session")
 def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
@@ -263,7 +259,7 @@ def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine
     }
     config_file = work / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_loopback_port()
     log = work / "prometheus.log"
     with log.open("wb") as log_fh:
         proc = subprocess.Popen(

@@ -239,11 +239,18 @@ class SystemHost:
         self.platform = sys.platform
 
     def read_text(self, path: str) -> str | None:
+        # os-level, not open(): no buffered text wrapper for one small procfs read (it
+        # runs at every drained checkpoint, on the engine thread).
         try:
-            with open(path, encoding="ascii", errors="replace") as f:
-                return f.read(65536)
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
             return None
+        try:
+            return os.read(fd, 65536).decode("ascii", "replace")
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     def sysctl(self, name: str) -> str | None:
         import subprocess

@@ -82,8 +82,11 @@ class VllmAdapter:
         """``update_from_output`` processed this batch. EngineCore processes batches in
         the order it scheduled them, so older ones still listed are gone too (their step
         failed): a lost update cannot hold off drained checkpoints for good."""
-        if any(o is scheduler_output for o, _ in self._in_flight):
-            while self._in_flight.popleft()[0] is not scheduler_output:
+        q = self._in_flight
+        if q and q[0][0] is scheduler_output:  # the usual case: the oldest batch
+            q.popleft()
+        elif any(o is scheduler_output for o, _ in q):
+            while q.popleft()[0] is not scheduler_output:
                 pass
 
     @property

@@ -122,6 +122,10 @@ class VllmPoolAccess:
         null = getattr(self._pool, "null_block", None)
         self._nulls = frozenset({null.block_id}) if null is not None else frozenset()
         self._has_queue = bool(self._blocks) and hasattr(self._blocks[0], "prev_free_block")
+        self._tables: list[Any] = [m.req_to_blocks for m in
+                                   _single_type_managers(kv_cache_manager)]
+        """Each KV group's ``req_to_blocks`` (vLLM builds them once, with the coordinator):
+        read per lifecycle event, so looked up once here."""
 
     @property
     def num_blocks(self) -> int:
@@ -151,7 +155,17 @@ class VllmPoolAccess:
         return list(seen)
 
     def request_blocks(self, request_id: str) -> list[int]:
-        return request_block_ids(self._kvm, request_id)
+        """The request's block ids in the engine's tables (as :func:`request_block_ids`),
+        on the hooks' hot path: one ``get`` per KV group."""
+        if len(self._tables) == 1:
+            blocks = self._tables[0].get(request_id)
+            return block_ids_in(blocks, self._pool) if blocks else []
+        out: list[int] = []
+        for table in self._tables:
+            blocks = table.get(request_id)
+            if blocks:
+                out.extend(block_ids_in(blocks, self._pool))
+        return out
 
     def num_free(self) -> int:
         return int(self._pool.get_num_free_blocks())

@@ -129,7 +129,9 @@ def install_hooks(g: EngineGuard) -> None:
         def get_new_blocks(*args: Any, **kwargs: Any) -> Any:
             ret = orig(*args, **kwargs)
             try:
-                allocated(owner[0], block_ids_in(ret, pool))
+                # Blocks this pool just handed out: its own, never the null block (no
+                # per-block pool check, unlike blocks a caller passes in).
+                allocated(owner[0], [b.block_id for b in ret])
             except Exception as exc:
                 errors.record("get_new_blocks", exc)
             return ret
@@ -170,7 +172,7 @@ def install_hooks(g: EngineGuard) -> None:
             ret = orig(request, *args, **kwargs)
             try:
                 now = time.time()
-                g.on_admitted(RequestId(request.request_id), now)
+                g.on_admitted(request.request_id, now)  # typed: no NewType call
                 if transfers is not None:
                     ev = transfers.admitted(request, now)
                     if ev is not None:
@@ -184,7 +186,7 @@ def install_hooks(g: EngineGuard) -> None:
         def _preempt_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
             try:
-                rid = RequestId(request.request_id)
+                rid = request.request_id  # a RequestId (no NewType call per event)
                 g.claim(rid)
             except Exception as exc:
                 errors.record("preempt", exc)
@@ -204,7 +206,7 @@ def install_hooks(g: EngineGuard) -> None:
         def _free_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
             try:
-                rid = RequestId(request.request_id)
+                rid = request.request_id  # a RequestId (no NewType call per event)
                 g.on_finished(rid, finish_reason_of(request), time.time())  # claims it
                 finishing[0] = rid
             except Exception as exc:
@@ -232,7 +234,7 @@ def install_hooks(g: EngineGuard) -> None:
             rid: RequestId | None = None
             n_deferred = 0
             try:
-                rid = RequestId(request.request_id)
+                rid = request.request_id  # a RequestId (no NewType call per event)
                 if finishing[0] != rid:  # a delayed-free completion, not a finish: claim
                     g.claim(rid)
                 n_deferred = vllm.num_deferred_frees()
@@ -252,7 +254,7 @@ def install_hooks(g: EngineGuard) -> None:
         def _free_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
             try:
-                rid = RequestId(request.request_id)
+                rid = request.request_id  # a RequestId (no NewType call per event)
             except Exception as exc:
                 errors.record("free", exc)
             try:

@@ -250,12 +250,21 @@ class OnlineAuditor:
             spent = perf_counter() - t0
             if done:
                 break
-        self.budget.spend(spent)
         self._busy += spent
-        self.stats.busy_seconds_total += spent
         if not done:
+            self.charge(spent)
             return None
-        return self._end_sweep(now + spent, wall)
+        result = self._end_sweep(now + spent, wall)
+        # Ending a sweep (its report of block states, its findings) is audit work too: on
+        # a small pool sweeps end every few steps, and uncharged it would exceed the budget.
+        self.charge(perf_counter() - t0)
+        return result
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of audit work against the budget (and in the totals): the
+        auditor's own, and what its caller does with a sweep's result."""
+        self.budget.spend(seconds)
+        self.stats.busy_seconds_total += seconds
 
     def _unit(self, wall: float) -> bool:
         """One unit of work; True when it completed the sweep."""

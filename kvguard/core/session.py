@@ -456,7 +456,9 @@ class GuardSession:
             self._resync_ledger()
         result = online.step(step_seconds, time.time())
         if result is not None:
+            t0 = time.perf_counter()
             self._on_sweep(result)
+            online.charge(time.perf_counter() - t0)  # its report is the audit's cost too
 
     def _resync_ledger(self) -> None:
         """After a contained hook failure under load: rebuild the ledger from the engine.

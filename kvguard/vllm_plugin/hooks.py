@@ -106,9 +106,10 @@ def install_hooks(g: EngineGuard) -> None:
     transfers = vllm.transfers
     owner: list[RequestId | None] = [None]
     """The request whose lifecycle call is running (pool calls inside it are its)."""
-    finishing: list[RequestId | None] = [None]
-    """The request inside ``_free_request``, claimed by ``on_finished`` just before: its
-    table cannot change until ``_free_request_blocks``, which need not claim it again."""
+    claimed: list[RequestId | None] = [None]
+    """The request inside ``_free_request`` or ``_preempt_request``, claimed just before
+    (by ``on_finished``, or the preemption hook): its table cannot change until the
+    ``_free_request_blocks`` inside, which need not claim it again."""
     schedule_seconds = [0.0]
     """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
     track_in_flight = [False]
@@ -185,16 +186,19 @@ def install_hooks(g: EngineGuard) -> None:
     def make_preempt(orig: Callable[..., Any]) -> Callable[..., Any]:
         def _preempt_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
+            outer = claimed[0]
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
                 g.claim(rid)
+                claimed[0] = rid
             except Exception as exc:
                 errors.record("preempt", exc)
             try:
                 return call_as(rid, orig, request, *args, **kwargs)
             finally:
-                # After the free inside: the free path claims the request's table again,
-                # which would mark it running; preempted is where it ends up.
+                claimed[0] = outer
+                # After the free inside: preempted is where the request ends up (a claim
+                # there, e.g. when this hook's own failed, would mark it running).
                 try:
                     if rid is not None:
                         g.on_preempted(rid)
@@ -205,16 +209,17 @@ def install_hooks(g: EngineGuard) -> None:
     def make_free_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         def _free_request(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
+            outer = claimed[0]
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
                 g.on_finished(rid, finish_reason_of(request), time.time())  # claims it
-                finishing[0] = rid
+                claimed[0] = rid
             except Exception as exc:
                 errors.record("finish", exc)
             try:
                 return call_as(rid, orig, request, *args, **kwargs)
             finally:
-                finishing[0] = None
+                claimed[0] = outer
                 try:
                     if rid is not None and vllm.holds_request(rid):
                         # The KV connector delayed the free: vLLM keeps the request.
@@ -235,7 +240,7 @@ def install_hooks(g: EngineGuard) -> None:
             n_deferred = 0
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
-                if finishing[0] != rid:  # a delayed-free completion, not a finish: claim
+                if claimed[0] != rid:  # e.g. a delayed-free completion: claim
                     g.claim(rid)
                 n_deferred = vllm.num_deferred_frees()
             except Exception as exc:

@@ -30,10 +30,22 @@ pair's ratio of mean step times, with its 95 % interval (the criterion, target <
 a pass needs the interval's upper end within it, a miss its lower end beyond it), the
 pooled ratios of means and medians, the per-round ratios, and the slowest steps of each
 engine with what kvguard did in them, which is what makes a mean exceed a median.
+
+Second, the same comparison without any process or engine bias: one engine with kvguard,
+its hooks taken out for every other round (the engine's own methods back) and put in again
+(ABBA, ``TOGGLE_ROUNDS`` per mode in each of ``TOGGLE_PROCESSES`` processes, the prefix
+cache reset before every round so that both modes start from the same pool). Both modes
+share the process, the engine and its memory; what the "without" side still carries is
+kvguard's idle objects and its publisher thread asleep. Reported: the mean of the per-round
+ratios with its 95 % interval, and whether any round pair did different work (steps or
+vLLM's counters). Then, in the first process, ``SELF_TIME_ROUNDS`` rounds with a clock at
+every boundary between kvguard and the engine: kvguard's own time per hook and per session
+method, per step: where the ratio comes from.
 """
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import statistics
@@ -46,7 +58,7 @@ from typing import Any
 
 from common import Worker, reply, save, stats, t_interval
 
-PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "3"))
+PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "2"))
 """Process pairs: each process carries a bias of its own (memory layout, thread placement;
 measured: 1.09x and 0.95x between two kvguard-off processes over 8 rounds), which rounds
 within one pair cannot cancel, so the criterion is the mean over pairs with its interval."""
@@ -58,6 +70,17 @@ OUTPUT_TOKENS = 96
 ABORT_AT_STEP = 24
 ABORTED = 8
 POOL_BLOCKS = 160
+
+
+COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_hits",
+            "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+"""vLLM's own counts of the work in a round (both sides must show the same)."""
+TOGGLE_PROCESSES = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_PROCESSES", "2"))
+"""Processes for the same-engine measurement (hooks in and out per round)."""
+TOGGLE_ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_ROUNDS", "10"))
+"""Rounds per process and mode, alternating the order (ABBA)."""
+SELF_TIME_ROUNDS = 2
+"""Rounds timed at every hook boundary (kvguard's own time per hook), in one process."""
 
 
 GC_IN_STEPS = {"ns": 0, "collections": 0, "start": 0, "in_step": 0}
@@ -135,29 +158,42 @@ def run_round(h: Any, seed: int) -> None:
     h.run_to_completion()
 
 
-def worker(enabled: str) -> None:
-    """One side in this process: a real engine, kvguard on or off; a round per ``run SEED``,
-    answered with its step times (us) and what kvguard did in each step."""
+def _spec() -> Any:
+    """The engine both sides run: the tiny Llama, a 160-block pool, a draft model."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from kvguard.chaos.harness import EngineHarness
-    from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
+    from kvguard.demo.engine import EngineSpec
     from kvguard.demo.tiny_model import make_draft_model, make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
     os.environ["KVGUARD_RUN_DIR"] = str(tmp / "run")
-    spec = EngineSpec(model_dir=make_tiny_model(tmp), num_gpu_blocks_override=POOL_BLOCKS,
+    return EngineSpec(model_dir=make_tiny_model(tmp), num_gpu_blocks_override=POOL_BLOCKS,
                       max_model_len=512, max_num_seqs=REQUESTS, max_num_batched_tokens=2048,
                       kv_cache_memory_bytes=32 << 20,
                       extra={"speculative_config": {"method": "draft_model",
                                                     "model": str(make_draft_model(tmp)),
                                                     "num_speculative_tokens": 3}})
+
+
+def _build_engine_on() -> tuple[Any, Any]:
+    from kvguard.chaos.harness import EngineHarness
+
+    h = EngineHarness(_spec())
+    return h, h.scheduler
+
+
+def worker(enabled: str) -> None:
+    """One side in this process: a real engine, kvguard on or off; a round per ``run SEED``,
+    answered with its step times (us) and what kvguard did in each step."""
+    from kvguard.chaos.harness import EngineHarness
+    from kvguard.demo.engine import build_engine, scheduler_of
+
     h: Any
     guard = None
     if enabled == "on":
-        h = EngineHarness(spec)
+        h, sched = _build_engine_on()
         guard = h.guard
-        sched = h.scheduler
     else:
+        spec = _spec()
         os.environ["KVGUARD_ENABLED"] = "0"
         engine = build_engine(spec)
         sched = scheduler_of(engine)
@@ -184,10 +220,7 @@ def worker(enabled: str) -> None:
             m = h.vllm_metric
             reply({"events": {e: n - events0.get(e, 0)
                               for e, n in (guard.ledger.num_events.items() if guard else ())},
-                   "vllm": {k: m(k) for k in ("vllm:num_preemptions",
-                                              "vllm:prefix_cache_hits",
-                                              "vllm:spec_decode_num_draft_tokens",
-                                              "vllm:spec_decode_num_accepted_tokens")}})
+                   "vllm": {k: m(k) for k in COUNTERS}})
             continue
         samples.clear()
         tags.clear()
@@ -196,6 +229,140 @@ def worker(enabled: str) -> None:
         reply({"us": [x / 1000 for x in samples], "tags": tags,
                "gc_us": GC_IN_STEPS["ns"] / 1000, "gc_collections": GC_IN_STEPS["collections"]})
     os._exit(0)
+
+
+def hooked_methods(h: Any) -> list[tuple[Any, str, Any]]:
+    """Every kvguard hook on the engine: (object, method name, kvguard's wrapper)."""
+    from kvguard.vllm_plugin.hooks import _MARK
+
+    sched = h.scheduler
+    kvm = sched.kv_cache_manager
+    objs = [sched, kvm.block_pool, getattr(kvm, "coordinator", None)]
+    return [(o, n, f) for o in objs if o is not None for n, f in list(vars(o).items())
+            if getattr(f, _MARK, False)]
+
+
+def toggle_worker() -> None:
+    """One engine with kvguard; each round runs with its hooks in place or taken out (the
+    engine's own methods back), as the driver asks: ``run SEED on|off``. The same engine,
+    process and memory on both sides, so the ratio carries no process or engine bias.
+    ``selftime ROUNDS``: kvguard's own time per hook, from clocks at every hook boundary."""
+    h, sched = _build_engine_on()
+    hooks = hooked_methods(h)
+    samples: list[int] = []
+    tags: list[str] = []
+
+    def set_mode(on: bool) -> None:
+        for o, n, f in hooks:  # schedule and update_from_output among them
+            if on:
+                setattr(o, n, f)
+            else:
+                o.__dict__.pop(n, None)  # the class's method again
+        timed(sched, samples, tags, h.guard if on else None)
+
+    for on in (True, False):
+        set_mode(on)
+        run_round(h, 0)  # warm-up, both ways
+    reply("ready")
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] == "selftime":
+            set_mode(True)
+            out = self_time(h, hooks, int(words[1]))
+            # Taking the hooks out between drained rounds must leave kvguard's records
+            # true: every drained checkpoint of the hooked rounds is clean or saturated.
+            out["verdicts"] = dict(collections.Counter(r.verdict.value
+                                                       for r in h.guard.reports))
+            reply(out)
+            continue
+        set_mode(words[2] == "on")
+        samples.clear()
+        tags.clear()
+        # Both modes run each seed from the same pool state: an empty prefix cache (else
+        # the second run of a seed would hit the blocks the first one cached).
+        h.engine.reset_prefix_cache()
+        before = {k: h.vllm_metric(k) for k in COUNTERS}
+        run_round(h, int(words[1]))
+        reply({"us": [x / 1000 for x in samples],
+               "vllm": {k: h.vllm_metric(k) - before[k] for k in COUNTERS}})
+    os._exit(0)
+
+
+def self_time(h: Any, hooks: list[tuple[Any, str, Any]], rounds: int) -> dict[str, Any]:
+    """kvguard's own time per hook and per session method, per step (us), over ``rounds``.
+
+    A clock read at every boundary between kvguard and the engine (entering a hook, its
+    call to the engine's method, that call's return, the hook's return) charges each
+    interval to the hook or method running; nested calls are charged to the innermost.
+    The clocks cost about 0.1-0.3 us per boundary, inside the buckets."""
+    pc = time.perf_counter_ns
+    names = ["engine"]
+    acc = [0] * 64
+    calls = [0] * 64
+    cur = [-1, 0]
+
+    def switch(to: int) -> None:
+        now = pc()
+        if cur[0] >= 0:
+            acc[cur[0]] += now - cur[1]
+        cur[0], cur[1] = to, now
+
+    def bucketed(fn: Any, i: int) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            prev = cur[0]
+            switch(i)
+            calls[i] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                switch(prev)
+        return run
+
+    restore: list[tuple[Any, str, Any]] = []
+    for o, n, f in hooks:
+        for cell in f.__closure__ or ():  # the engine's method the hook calls
+            c = cell.cell_contents
+            if callable(c) and getattr(c, "__name__", None) == n and c is not f:
+                cell.cell_contents = bucketed(c, 0)
+                restore.append((cell, "cell", c))
+                break
+        names.append(f"hook {n}")
+        setattr(o, n, bucketed(f, len(names) - 1))
+        restore.append((o, n, f))
+    g = h.guard
+    for n in ("claim", "checkpoint_now", "publish", "_online_step", "on_admitted",
+              "on_finished", "drain_blocker"):
+        names.append(f"session {n}")
+        setattr(g, n, bucketed(getattr(g, n), len(names) - 1))
+        restore.append((g, n, None))
+    sched = h.scheduler
+    steps = [0]
+    schedule, update = sched.schedule, sched.update_from_output
+    sched.schedule = bucketed(schedule, 0)
+    counted_update = bucketed(update, 0)
+
+    def update_counted(*a: Any, **k: Any) -> Any:
+        steps[0] += 1
+        return counted_update(*a, **k)
+    sched.update_from_output = update_counted
+    for r in range(rounds):
+        run_round(h, 1000 + r)
+    switch(-1)
+    for o, n, f in restore:
+        if n == "cell":
+            o.cell_contents = f
+        elif f is None:
+            del o.__dict__[n]
+        else:
+            setattr(o, n, f)
+    sched.schedule, sched.update_from_output = schedule, update
+    n_steps = max(steps[0], 1)
+    rows = {names[i]: {"us_per_step": acc[i] / n_steps / 1000,
+                       "calls_per_step": calls[i] / n_steps,
+                       "us_per_call": acc[i] / max(calls[i], 1) / 1000}
+            for i in range(1, len(names)) if calls[i]}
+    return {"steps": n_steps, "engine_us_per_step": acc[0] / n_steps / 1000,
+            "kvguard_us_per_step": sum(acc[1:]) / n_steps / 1000, "rows": rows}
 
 
 def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
@@ -219,6 +386,49 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
             w.close()
         raise errors[0]
     return sides
+
+
+def measure_toggle(env: dict[str, str], tmp: Path) -> dict[str, Any]:
+    """The same engine with kvguard's hooks in and out, per round (ABBA), in
+    ``TOGGLE_PROCESSES`` processes; then kvguard's own time per hook in the first one."""
+    per_round: list[float] = []
+    per_process: list[float] = []
+    us: dict[str, list[float]] = {"on": [], "off": []}
+    mismatched = 0
+    breakdown: dict[str, Any] = {}
+    for p in range(TOGGLE_PROCESSES):
+        w = Worker(__file__, ["toggle"], env, tmp / f"toggle-{p}.log")
+        try:
+            mine: dict[str, list[float]] = {"on": [], "off": []}
+            for r in range(1, TOGGLE_ROUNDS + 1):
+                seed = 500 + p * TOGGLE_ROUNDS + r
+                got: dict[str, dict[str, Any]] = {}
+                for k in (("on", "off") if r % 2 else ("off", "on")):
+                    out = w.ask(f"run {seed} {k}")
+                    assert isinstance(out, dict)
+                    got[k] = out
+                    mine[k] += out["us"]
+                if len(got["on"]["us"]) != len(got["off"]["us"]) \
+                        or got["on"]["vllm"] != got["off"]["vllm"]:
+                    mismatched += 1
+                per_round.append(statistics.fmean(got["on"]["us"])
+                                 / statistics.fmean(got["off"]["us"]))
+            per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
+            for k in us:
+                us[k] += mine[k]
+            if p == 0:
+                out = w.ask(f"selftime {SELF_TIME_ROUNDS}")
+                assert isinstance(out, dict)
+                breakdown = out
+        finally:
+            w.close()
+    mean, half = t_interval(per_round)
+    return {"per_round_mean_ratio": per_round, "per_process_mean_ratio": per_process,
+            "mean_ratio": mean, "interval_half": half, "rounds": len(per_round),
+            "processes": TOGGLE_PROCESSES, "rounds_mismatched": mismatched,
+            "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
+            "with_us": stats(us["on"]), "without_us": stats(us["off"]),
+            "self_time": breakdown}
 
 
 def main() -> None:
@@ -270,6 +480,11 @@ def main() -> None:
         per_pair.append(statistics.fmean(pair_us["on"]) / statistics.fmean(pair_us["off"]))
         for k in us:
             us[k] += pair_us[k]
+    toggle = measure_toggle(same, tmp)
+    print(f"same engine, hooks in/out: {toggle['mean_ratio']:.4f} +- "
+          f"{toggle['interval_half']:.4f} over {toggle['rounds']} rounds "
+          f"({toggle['rounds_mismatched']} with different work); kvguard's own time "
+          f"{toggle['self_time'].get('kvguard_us_per_step', 0):.1f} us per step")
     s = {k: stats(v) for k, v in us.items()}
     mean_ratio = s["on"]["mean"] / s["off"]["mean"]
     median_ratio = s["on"]["median"] / s["off"]["median"]
@@ -302,11 +517,13 @@ def main() -> None:
         "gc_share_of_time": {k: gc_us[k] / sum(us[k]) for k in us}, "gc_collections": gc_n,
         "pair_mean_ratio": pair_mean,
         "pair_interval_half": pair_half, "target_mean_ratio": 1.02, "events": events,
-        "vllm_on": vllm["on"], "vllm_off": vllm["off"]})
+        "vllm_on": vllm["on"], "vllm_off": vllm["off"], "toggle": toggle})
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+    if len(sys.argv) > 2 and sys.argv[1] == "worker" and sys.argv[2] == "toggle":
+        toggle_worker()
+    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2])
     else:
         main()

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import json
 import os
 import statistics
 import sys
@@ -525,5 +526,11 @@ if __name__ == "__main__":
         toggle_worker()
     elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2])
+    elif sys.argv[1:] == ["toggle"]:  # the same-engine measurement alone (minutes, not tens)
+        os.environ.setdefault("VLLM_PLUGINS", "kvguard")
+        result = measure_toggle({"PYTHONHASHSEED": "0",
+                                 "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
+                                Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")))
+        print(json.dumps(result, indent=1))
     else:
         main()

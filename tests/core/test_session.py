@@ -135,7 +135,9 @@ def test_the_online_audit_finds_the_leak_through_the_adapter_without_a_drain() -
 def test_the_online_audit_spends_its_budget_ending_sweeps_and_reports_included() -> None:
     """On a small pool a sweep ends every few steps; the time that takes (its report of
     block states, its findings, an online report) is audit time and must fit the budget.
-    Timed from outside, around the session's whole online step, not by its own counters."""
+    Timed from outside, around the session's whole online step, not by its own counters:
+    in this thread's CPU time, which a loaded machine does not inflate (the session charges
+    wall time, so load only makes it spend less CPU than it earned, never more)."""
     h = Harness(64, lazy_claims=True)
     fraction, pause, step = 0.01, 0.0005, 0.005
     s, _ = _session(h, online_audit=True, online_budget_fraction=fraction,
@@ -146,9 +148,9 @@ def test_the_online_audit_spends_its_budget_ending_sweeps_and_reports_included()
     inner = s._online_step
 
     def timed(step_seconds: float) -> None:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         inner(step_seconds)
-        spent[0] += time.perf_counter() - t0
+        spent[0] += time.thread_time() - t0
     s._online_step = timed  # type: ignore[method-assign]
     steps = 5000
     for _ in range(steps):
@@ -157,9 +159,11 @@ def test_the_online_audit_spends_its_budget_ending_sweeps_and_reports_included()
     assert online is not None and online.sweeps_total >= 10
     assert any(r.evidence is Evidence.ONLINE for r in s.reports)
     earned = fraction * steps * step
-    # Measured: 1.05x earned (the timer and the call around the audit); 1.34x when the
-    # sweeps' ends went uncharged. The slack is for a hiccup of this machine.
-    assert spent[0] <= 1.2 * earned + 0.01, (spent[0], earned)
+    # Measured in CPU time: 1.02-1.06x earned (the timer and the call around the audit);
+    # 1.22-1.30x when the sweeps' ends go uncharged (``OnlineAuditor.step`` charging only
+    # its units). Timed in wall time, this failed on a loaded machine with correct code.
+    assert spent[0] <= 1.15 * earned, (spent[0], earned)
+
 
 def test_events_feed_the_ledger_and_the_drain_estimate() -> None:
     h = Harness(16, lazy_claims=True)

@@ -62,8 +62,10 @@ LEDGER_METHODS = ("on_request_admitted", "on_request_preempted", "on_request_fin
                   "on_blocks_acquired", "claim", "on_blocks_released")
 
 HOOKS = ["get_new_blocks", "touch", "free_blocks", "add_request", "preempt", "finish",
-         "free_request_blocks", "free", "finish_requests", "update_from_output"]
-"""Every hook this workload reaches (``unpin_blocks`` is only called by vLLM's hisparse)."""
+         "free", "finish_requests", "update_from_output"]
+"""Every hook in which this workload makes kvguard work. ``unpin_blocks`` is only called by
+vLLM's hisparse; ``_free_request_blocks`` claims only where no finish or preemption around
+it did (a delayed-free completion: ``tests/vllm/test_delayed_free.py`` fails it there)."""
 
 
 def _current_hook() -> str | None:

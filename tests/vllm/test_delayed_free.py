@@ -87,3 +87,31 @@ def test_transfer_that_never_completes_is_a_delayed_free_leak_until_it_does(
     r = h.latest()
     assert r.verdict in (Verdict.CLEAN, Verdict.SATURATED), r.explanation
     assert r.pool is not None and r.pool.held_by_finished == 0
+
+
+def test_a_failure_at_a_delayed_free_completion_is_counted_and_vllm_frees_anyway(
+    engines: Callable[..., Harness], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The completion frees the blocks through ``_free_blocks`` with no finish around it: the
+    ``_free_request_blocks`` hook claims the request's table there (its only kvguard work
+    on vLLM's own paths). A failure in it is counted under that hook and vLLM's free goes
+    on: the request leaves vLLM and its blocks are back in vLLM's free count."""
+    h = _engine(engines)
+    free_before = h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    rid = h.add(prompt(1000, 70), max_tokens=5)
+    h.run_to_completion()
+    internal = h.internal_id(rid)
+    assert request_block_ids(h.scheduler.kv_cache_manager, internal)  # held for the transfer
+    errors_before = dict(h.guard.errors.by_hook)
+
+    def claim(request_id: str) -> None:
+        raise RuntimeError("injected failure in kvguard's claim")
+    monkeypatch.setattr(h.guard, "claim", claim)
+    _step_until(h, lambda: not h.scheduler.requests)
+    monkeypatch.undo()
+
+    new = {k: n - errors_before.get(k, 0) for k, n in h.guard.errors.by_hook.items()}
+    assert {k: n for k, n in new.items() if n} == {"free_request_blocks": 1}
+    assert internal not in h.scheduler.requests
+    assert not request_block_ids(h.scheduler.kv_cache_manager, internal)
+    assert h.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before

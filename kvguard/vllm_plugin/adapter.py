@@ -120,9 +120,6 @@ class VllmAdapter:
         """Whether the scheduler still keeps ``request_id`` (a delayed free after finish)."""
         return request_id in (getattr(self.scheduler, "requests", {}) or {})
 
-    def num_deferred_frees(self) -> int:
-        return _qlen(getattr(self.scheduler, "deferred_frees", ()))
-
     def client_request_id(self, request_id: str) -> str:
         return client_request_id(request_id)
 

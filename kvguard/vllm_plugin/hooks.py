@@ -35,7 +35,7 @@ from collections.abc import Callable
 from time import perf_counter
 from typing import Any, Final
 
-from kvguard.core.types import RequestId
+from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard
 from kvguard.vllm_plugin.pool_reader import block_ids_in
@@ -43,6 +43,8 @@ from kvguard.vllm_plugin.pool_reader import block_ids_in
 log = logging.getLogger("kvguard")
 
 _MARK = "__kvguard_hook__"
+_ALLOCATE: Final = AcquireKind.ALLOCATE
+_PREFIX_HIT: Final = AcquireKind.PREFIX_HIT
 
 POOL_HOOKS: Final = ("get_new_blocks", "touch", "free_blocks", "unpin_blocks")
 """``BlockPool`` methods kvguard wraps (the table above), in install order."""
@@ -94,10 +96,10 @@ def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> No
 def install_hooks(g: EngineGuard) -> None:
     """Install every hook on ``g.scheduler`` and its block pool.
 
-    The hooks only forward events to the session ``g``. Pool calls carry no request;
-    the lifecycle hook that causes them names the request in ``owner`` (a cell local
-    to these hooks, set for the duration of the engine's call), so a free inside
-    ``_free_request_blocks`` is charged to that request.
+    The hooks only forward events to the session ``g`` (pool events to its ledger). Pool
+    calls carry no request; the lifecycle hook that causes them names the request in
+    ``owner`` (a cell local to these hooks, set for the duration of the engine's call), so
+    a free inside ``_free_request_blocks`` is charged to that request.
     """
     pool = g.block_pool
     sched = g.scheduler
@@ -115,15 +117,13 @@ def install_hooks(g: EngineGuard) -> None:
     track_in_flight = [False]
     """Count scheduled batches as in flight: only when ``update_from_output`` is hooked too
     (else no batch would ever be seen processed, and no moment would count as drained)."""
-    allocated, hit, freed = g.on_blocks_allocated, g.on_prefix_hit, g.on_blocks_freed
-
-    def call_as(rid: RequestId | None, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Call the engine's ``fn`` with ``rid`` as the owner of any block it releases."""
-        prev, owner[0] = owner[0], rid
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            owner[0] = prev
+    # Pool events go to the ledger itself (the session's ``on_blocks_*`` only forward
+    # there; its ledger lives as long as it, ``reset`` works in place; its methods are
+    # looked up per call, so a replaced one takes effect). kvguard makes about 130 Python
+    # calls per engine step on a busy mix, each paid cold (the model step in between
+    # evicts kvguard's code from the CPU caches): the hooks below make no call that only
+    # forwards or counts (the owner cell is swapped inline, ``len`` is read inline).
+    ledger = g.ledger
 
     # --- pool: where blocks move -------------------------------------------
     def make_get_new_blocks(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -132,7 +132,7 @@ def install_hooks(g: EngineGuard) -> None:
             try:
                 # Blocks this pool just handed out: its own, never the null block (no
                 # per-block pool check, unlike blocks a caller passes in).
-                allocated(owner[0], [b.block_id for b in ret])
+                ledger.on_blocks_acquired(owner[0], [b.block_id for b in ret], _ALLOCATE)
             except Exception as exc:
                 errors.record("get_new_blocks", exc)
             return ret
@@ -143,7 +143,7 @@ def install_hooks(g: EngineGuard) -> None:
             blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
             ret = orig(blocks, *args, **kwargs)
             try:
-                hit(owner[0], block_ids_in(blocks, pool))
+                ledger.on_blocks_acquired(owner[0], block_ids_in(blocks, pool), _PREFIX_HIT)
             except Exception as exc:
                 errors.record("touch", exc)
             return ret
@@ -155,7 +155,7 @@ def install_hooks(g: EngineGuard) -> None:
                 blocks = blocks if isinstance(blocks, list) else list(blocks)
                 ret = orig(blocks, *args, **kwargs)
                 try:
-                    freed(owner[0], block_ids_in(blocks, pool))
+                    ledger.on_blocks_released(owner[0], block_ids_in(blocks, pool))
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret
@@ -193,9 +193,11 @@ def install_hooks(g: EngineGuard) -> None:
                 claimed[0] = rid
             except Exception as exc:
                 errors.record("preempt", exc)
+            prev, owner[0] = owner[0], rid  # the blocks freed inside are its
             try:
-                return call_as(rid, orig, request, *args, **kwargs)
+                return orig(request, *args, **kwargs)
             finally:
+                owner[0] = prev
                 claimed[0] = outer
                 # After the free inside: preempted is where the request ends up (a claim
                 # there, e.g. when this hook's own failed, would mark it running).
@@ -216,9 +218,11 @@ def install_hooks(g: EngineGuard) -> None:
                 claimed[0] = rid
             except Exception as exc:
                 errors.record("finish", exc)
+            prev, owner[0] = owner[0], rid
             try:
-                return call_as(rid, orig, request, *args, **kwargs)
+                return orig(request, *args, **kwargs)
             finally:
+                owner[0] = prev
                 claimed[0] = outer
                 try:
                     if rid is not None and vllm.holds_request(rid):
@@ -238,18 +242,22 @@ def install_hooks(g: EngineGuard) -> None:
         def _free_request_blocks(request: Any, *args: Any, **kwargs: Any) -> Any:
             rid: RequestId | None = None
             n_deferred = 0
+            deferred: Any = None
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
                 if claimed[0] != rid:  # e.g. a delayed-free completion: claim
                     g.claim(rid)
-                n_deferred = vllm.num_deferred_frees()
+                deferred = getattr(sched, "deferred_frees", None)  # vLLM's queue, if any
+                n_deferred = len(deferred) if deferred is not None else 0
             except Exception as exc:
                 errors.record("free_request_blocks", exc)
+            prev, owner[0] = owner[0], rid
             try:
-                return call_as(rid, orig, request, *args, **kwargs)
+                return orig(request, *args, **kwargs)
             finally:
+                owner[0] = prev
                 try:
-                    if rid is not None and vllm.num_deferred_frees() > n_deferred:
+                    if rid is not None and deferred is not None and len(deferred) > n_deferred:
                         g.on_deferred_free_started(rid)
                 except Exception as exc:
                     errors.record("free_request_blocks", exc)
@@ -262,9 +270,11 @@ def install_hooks(g: EngineGuard) -> None:
                 rid = request.request_id  # a RequestId (no NewType call per event)
             except Exception as exc:
                 errors.record("free", exc)
+            prev, owner[0] = owner[0], rid
             try:
-                return call_as(rid, orig, request, *args, **kwargs)
+                return orig(request, *args, **kwargs)
             finally:
+                owner[0] = prev
                 try:
                     if rid is not None:
                         g.on_freed(rid, time.time())
@@ -316,8 +326,12 @@ def install_hooks(g: EngineGuard) -> None:
             # inside allocate_slots or at finish, with no lifecycle call running: name
             # the request, so that its reference is the one given back (guessing could
             # take it off another request sharing the block through the prefix cache).
-            rid = RequestId(request_id) if isinstance(request_id, str) else owner[0]
-            return call_as(rid, orig, request_id, *args, **kwargs)
+            prev = owner[0]
+            owner[0] = RequestId(request_id) if isinstance(request_id, str) else prev
+            try:
+                return orig(request_id, *args, **kwargs)
+            finally:
+                owner[0] = prev
         return remove_skipped_blocks
 
     def make_kv_xfer_finished(orig: Callable[..., Any]) -> Callable[..., Any]:

@@ -94,7 +94,8 @@ class EngineAdapter(Protocol):
 
     @property
     def pool(self) -> PoolAccess:
-        """Sliced reads of the pool and the request block tables (the online audit's view)."""
+        """Sliced reads of the pool and the request block tables (the online audit's view).
+        The same object for the adapter's lifetime: the session keeps it."""
 
     def read_pool(self) -> PoolSnapshot:
         """Every block at once, at a drained moment."""

@@ -264,7 +264,7 @@ class OwnershipLedger:
 
     def on_request_preempted(self, request_id: RequestId) -> None:
         self._events["preempt"] += 1
-        rec = self._ensure(request_id)
+        rec = self._records.get(request_id) or self._ensure(request_id)
         rec.phase = _PREEMPTED
         rec.num_preemptions += 1
 
@@ -272,7 +272,7 @@ class OwnershipLedger:
         ev = self._events
         ev["finish"] += 1
         ev[_FINISH_KEY[reason._value_]] += 1
-        rec = self._ensure(request_id, at)
+        rec = self._records.get(request_id) or self._ensure(request_id, at)
         rec.phase = _FINISHED
         rec.finish_reason = reason
         rec.finished_at = at
@@ -394,8 +394,8 @@ class OwnershipLedger:
                 del unattributed[bid]
                 self._unattributed_kind.pop(bid, None)
                 self._unattributed_serial.pop(bid, None)
-            elif n:
-                self._take_unattributed(bid)
+            elif n:  # a prefix shared before any claim: one of several, still unnamed
+                unattributed[bid] = n - 1
             if bid in owners:
                 self._add_ref(rec, bid)
             else:
@@ -432,7 +432,7 @@ class OwnershipLedger:
                     self._take_unattributed(bid)
                 else:
                     self._record_double_free(bid, request_id, rec)
-            if rec is not None:
+            if rec is not None and not rec.blocks:
                 self._after_release(rec)
             return
         for bid in cast(Iterable[BlockId], block_ids):

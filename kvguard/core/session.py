@@ -136,6 +136,8 @@ class GuardSession:
         self._config = config
         self.ledger = OwnershipLedger(null_block_ids=adapter.pool.null_block_ids,
                                       client_id_of=adapter.client_request_id)
+        self._request_blocks = adapter.pool.request_blocks
+        """The engine's table of one request (read at every finish and preemption)."""
         self.errors = HookErrors()
         self.engine = engine
         self.started_at = time.time()
@@ -218,7 +220,7 @@ class GuardSession:
     def claim(self, request_id: RequestId) -> None:
         """Give ``request_id`` the references its engine table holds (pool calls carry no
         request: a lifecycle transition names it)."""
-        self.ledger.claim(request_id, self.adapter.pool.request_blocks(request_id))
+        self.ledger.claim(request_id, self._request_blocks(request_id))
 
     def on_admitted(self, request_id: RequestId, at: float) -> None:
         self.ledger.on_request_admitted(request_id, at)

@@ -120,8 +120,9 @@ class VllmAdapter:
         """Whether the scheduler still keeps ``request_id`` (a delayed free after finish)."""
         return request_id in (getattr(self.scheduler, "requests", {}) or {})
 
-    def client_request_id(self, request_id: str) -> str:
-        return client_request_id(request_id)
+    client_request_id = staticmethod(client_request_id)
+    """vLLM's internal request id -> the client's (called once per admitted request: the
+    function itself, no method in between)."""
 
     def hold_bound(self) -> HoldBound:
         return connector_hold_bound(getattr(self.scheduler, "vllm_config", None))

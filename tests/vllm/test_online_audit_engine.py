@@ -150,8 +150,13 @@ def test_each_injected_leak_is_found_online_within_three_sweeps(
     # A double-freed block must not be handed out again before the audit saw it twice:
     # vLLM asserts on its ref count then (the engine dies: the real bug's consequence).
     # So the victim is aborted right after its 64-token prefill, holding two full
-    # (hashed) blocks, which go to the tail of a 256-block free queue.
+    # (hashed) blocks, which go to the tail of a 256-block free queue; and the audit gets
+    # 10x the default budget, so that its sweeps take 10x fewer steps than the load takes
+    # to reach those blocks (at the default 0.5 %, a loaded host lost that race: vLLM's
+    # assertion ended the engine, and with it every in-process engine after it). The
+    # stated latency is in sweeps, so the assertions below hold at any budget.
     h, load = never_draining(engines, num_gpu_blocks_override=256, scheduler_cls=SCHEDULER_CLS)
+    h.guard.config = dataclasses.replace(h.guard.config, online_budget_fraction=0.05)
     victim = "victim"
     h.add(prompt(1100, 64), max_tokens=400, rid=victim)
     for _ in range(200):

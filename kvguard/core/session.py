@@ -550,8 +550,12 @@ class GuardSession:
             log.warning("kvguard %s checkpoint %d on %s: LEAK\n%s", report.evidence.value,
                         report.checkpoint_id, self.engine, report.explanation)
         else:
-            log.info("kvguard checkpoint %d on %s: %s", report.checkpoint_id, self.engine,
-                     report.verdict.value)
+            # Routine verdicts at DEBUG: an engine that drains often would write a line per
+            # drain into the server's log, and pay for it in the step that drained (a log
+            # record and a write to stderr: 0.16 ms median, up to 1.5 ms, measured there).
+            # The verdicts are in the state file, the metrics and the sidecar's report.
+            log.debug("kvguard checkpoint %d on %s: %s", report.checkpoint_id, self.engine,
+                      report.verdict.value)
         self.publish()
         return report
 

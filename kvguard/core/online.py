@@ -187,8 +187,9 @@ class _Confirmed:
 class OnlineAuditor:
     """Sweeps the pool at step boundaries within a time budget; confirms suspects twice.
 
-    Call :meth:`step` once per engine step, on the engine thread, between steps.
-    Not thread-safe (like the ledger it reads).
+    Call :meth:`tick` once per engine step, on the engine thread, between steps, and
+    :meth:`work` when it returns True (:meth:`step` does both). Not thread-safe (like the
+    ledger it reads).
     """
 
     def __init__(self, pool: PoolAccess, ledger: OwnershipLedger, opts: OnlineOptions) -> None:
@@ -230,19 +231,28 @@ class OnlineAuditor:
 
     # ------------------------------------------------------------------ step
     def step(self, step_seconds: float, wall: float) -> SweepResult | None:
-        """One step boundary: earn budget for ``step_seconds`` of engine time, spend it.
+        """One step boundary: :meth:`tick`, then :meth:`work` if it earned any credit."""
+        return self.work(wall) if self.tick(step_seconds) else None
 
-        ``wall``: Unix time (for hold bounds and reports). Returns the sweep's result
-        when this step completed one.
-        """
-        now = perf_counter()
+    def tick(self, step_seconds: float) -> bool:
+        """Count one engine step and earn budget for its ``step_seconds`` of engine time.
+        True when there is credit to spend. Runs at every step, and on most steps there is
+        none (a unit of work costs many steps' credit): kept to two calls."""
         self._steps += 1
         if self._started is None:
-            self._started = now
-        credit = self.budget.earn(step_seconds)
+            self._started = perf_counter()
+        return self.budget.earn(step_seconds) > 0.0
+
+    def work(self, wall: float) -> SweepResult | None:
+        """Spend the earned credit on units of work (at least one).
+
+        ``wall``: Unix time (for hold bounds and reports). Returns the sweep's result
+        when this completed one.
+        """
+        credit = self.budget.credit
         if credit <= 0.0:
             return None
-        t0 = perf_counter()
+        now = t0 = perf_counter()
         done = False
         spent = 0.0
         while spent < credit:

@@ -338,8 +338,9 @@ class GuardSession:
                 self.poll_transfers(time.time())
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
-        if step_seconds is not None and self.online is not None:
-            self._online_step(step_seconds)
+        online = self.online
+        if step_seconds is not None and online is not None and online.tick(step_seconds):
+            self._online_step()
         now = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + self.config.publish_interval_seconds
@@ -451,12 +452,13 @@ class GuardSession:
         return self._record(report)
 
     # ----------------------------------------------------------- online audit
-    def _online_step(self, step_seconds: float) -> None:
+    def _online_step(self) -> None:
+        """Spend the online audit's credit (this step earned some: ``OnlineAuditor.tick``)."""
         online = self.online
         assert online is not None
         if self._ledger_errors_since_checkpoint():
             self._resync_ledger()
-        result = online.step(step_seconds, time.time())
+        result = online.work(time.time())
         if result is not None:
             t0 = time.perf_counter()
             self._on_sweep(result)

@@ -119,10 +119,11 @@ def install_hooks(g: EngineGuard) -> None:
     (else no batch would ever be seen processed, and no moment would count as drained)."""
     # Pool events go to the ledger itself (the session's ``on_blocks_*`` only forward
     # there; its ledger lives as long as it, ``reset`` works in place; its methods are
-    # looked up per call, so a replaced one takes effect). kvguard makes about 130 Python
+    # looked up per call, so a replaced one takes effect). kvguard makes about 100 Python
     # calls per engine step on a busy mix, each paid cold (the model step in between
     # evicts kvguard's code from the CPU caches): the hooks below make no call that only
-    # forwards or counts (the owner cell is swapped inline, ``len`` is read inline).
+    # forwards or counts (the owner cell is swapped inline, ``len`` is read inline), and
+    # a failed claim still lets a deferred free be seen (the queue is read first).
     ledger = g.ledger
 
     # --- pool: where blocks move -------------------------------------------
@@ -245,10 +246,10 @@ def install_hooks(g: EngineGuard) -> None:
             deferred: Any = None
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
-                if claimed[0] != rid:  # e.g. a delayed-free completion: claim
-                    g.claim(rid)
                 deferred = getattr(sched, "deferred_frees", None)  # vLLM's queue, if any
                 n_deferred = len(deferred) if deferred is not None else 0
+                if claimed[0] != rid:  # e.g. a delayed-free completion: claim
+                    g.claim(rid)
             except Exception as exc:
                 errors.record("free_request_blocks", exc)
             prev, owner[0] = owner[0], rid

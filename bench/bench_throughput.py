@@ -117,7 +117,8 @@ class InProcessSide:
 # ------------------------------------------------------------------ server side
 class ServerSide:
     def __init__(self, model_dir: Path, enabled: bool, log: Path) -> None:
-        from openai import AsyncOpenAI
+        import httpx2  # the HTTP client of openai 3.x
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
         from kvguard.demo.engine import ServerProcess
 
@@ -126,8 +127,13 @@ class ServerSide:
         self.spec = spec_for(model_dir, "sync")
         self.server = ServerProcess(self.spec, log_path=log, env=env)
         self.server.start()
+        # Idle connections are dropped after 1 s, before the server's own 5 s keep-alive
+        # timeout: with both at 5 s, a request sent on a connection the server was closing
+        # just then failed (ReadError) after the other side's repetition left it idle.
+        http = DefaultAsyncHttpxClient(limits=httpx2.Limits(
+            max_connections=1000, max_keepalive_connections=200, keepalive_expiry=1.0))
         self.client = AsyncOpenAI(base_url=self.server.base_url + "/v1", api_key="unused",
-                                  max_retries=0, timeout=600)
+                                  max_retries=0, timeout=600, http_client=http)
         self.loop = asyncio.new_event_loop()
 
     async def _one(self, p: list[int]) -> int:

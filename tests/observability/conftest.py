@@ -52,7 +52,7 @@ from _observed import (
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.ports import free_loopback_port
-from kvguard.demo.run import wait_for_checkpoint
+from kvguard.demo.run import fault_fired, wait_for_checkpoint
 from kvguard.demo.tiny_model import WORDS, make_tiny_model
 from kvguard.demo.warmup import WARMUP_PROMPT_TOKENS
 from kvguard.demo.workload import rank_headers, run_workload
@@ -156,6 +156,16 @@ def _leak(base_url: str, model: str, run_dir: Path) -> None:
     rank = LEAKING_RANK
     run_workload(base_url, model, shared_prefix_streams=8, disconnecting_streams=4,
                  data_parallel_rank=rank)
+    # A hang-up becomes an abort only if vLLM writes to the client again before the request
+    # ends, and 460 tokens (this spec's 512-token context) can all be generated first on a
+    # fast host: then skip_free_on_abort never fires (seen once: rank 1 held only the
+    # orphan). Hang up more, a bounded number of times, until one did.
+    for _ in range(5):
+        if _abort_fired(run_dir):
+            break
+        run_workload(base_url, model, shared_prefix_streams=0, disconnecting_streams=4,
+                     data_parallel_rank=rank)
+    assert _abort_fired(run_dir), "no client hang-up reached rank 1 as an abort in 6 rounds"
     # One more request to its end: vLLM publishes its pool usage after each step, and
     # an abort frees outside a step; the engine drains again after this one.
     settle = time.time()
@@ -163,6 +173,17 @@ def _leak(base_url: str, model: str, run_dir: Path) -> None:
     state = wait_for_checkpoint(run_dir, after=settle, engine=LEAKING)
     assert state.latest_report is not None and state.latest_report.verdict.value == "leak"
     assert state.online is not None and state.online.sweeps_total >= 2, state.online
+
+
+def _abort_fired(run_dir: Path) -> bool:
+    """Whether rank 1's state says its skip_free_on_abort fired (it publishes every second:
+    waits up to 3 s for the state that would say so)."""
+    deadline = time.monotonic() + 3.0
+    while not fault_fired(run_dir, LEAKING):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
 
 
 @pytest.fixture(scope="session")

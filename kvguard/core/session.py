@@ -35,7 +35,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Final, Protocol
+from typing import Protocol
 
 from kvguard.config import KvguardConfig
 from kvguard.core.checkpoint import build_report, online_report, skipped_report
@@ -58,10 +58,6 @@ from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, V
 from kvguard.version import __version__
 
 log = logging.getLogger("kvguard")
-
-_ALLOCATE: Final = AcquireKind.ALLOCATE
-_PREFIX_HIT: Final = AcquireKind.PREFIX_HIT
-"""Module constants for the hooks' hot path (an enum class attribute costs a lookup)."""
 
 TRANSFER_POLL_SECONDS = 0.25
 """How often, at most, the KV connector's hold deadlines are read (at step ends)."""
@@ -228,10 +224,10 @@ class GuardSession:
 
     def on_blocks_allocated(self, owner: RequestId | None, block_ids: list[int]) -> None:
         """``owner``: the request being served, ``None`` when the pool call names none."""
-        self.ledger.on_blocks_acquired(owner, block_ids, _ALLOCATE)
+        self.ledger.on_blocks_acquired(owner, block_ids, AcquireKind.ALLOCATE)
 
     def on_prefix_hit(self, owner: RequestId | None, block_ids: list[int]) -> None:
-        self.ledger.on_blocks_acquired(owner, block_ids, _PREFIX_HIT)
+        self.ledger.on_blocks_acquired(owner, block_ids, AcquireKind.PREFIX_HIT)
 
     def on_blocks_freed(self, owner: RequestId | None, block_ids: list[int]) -> None:
         self.ledger.on_blocks_released(owner, block_ids)

@@ -107,7 +107,8 @@ def reconcile(
                                    double_free_by_block, counts, out)
     else:
         n_zero = _classify_sparse(refs, cached, nulls, ledger, done,
-                                  double_free_by_block, counts, out, snapshot.zero_refs)
+                                  double_free_by_block, counts, out, snapshot.zero_refs,
+                                  snapshot.cached_unreferenced)
 
     pool_level: list[Finding] = []
     if free_q is None and snapshot.num_free_reported != n_zero:
@@ -171,7 +172,7 @@ def _classify_sparse(
     refs: Sequence[int], cached: Sequence[object], nulls: frozenset[int],
     ledger: OwnershipLedger, done: list[RequestRecord],
     dbl: dict[int, DoubleFreeEvent], counts: dict[BlockState, int], out: _Collector,
-    zero_refs: int | None = None,
+    zero_refs: int | None = None, cached_unreferenced: int | None = None,
 ) -> int:
     """Fast path: Python work only for blocks that may be wrong, C-level passes for the rest.
 
@@ -183,6 +184,11 @@ def _classify_sparse(
     counted. Blocks with a non-zero ref count that nobody owns (orphans) are searched
     for only when the counts say some exist: the pool's non-zero ref counts must equal
     the clean blocks plus the non-zero ones among the blocks judged one by one.
+
+    ``cached_unreferenced`` (the reader's count of cached blocks with ref count 0, null
+    blocks included) spares every pass over ``cached``: it is then read only for the
+    blocks judged one by one. Without it, cached blocks are counted from ``cached`` and
+    the clean blocks' entries are gathered.
     """
     n = len(refs)
     # Block ids are plain ints and request ids plain strs at run time (NewType).
@@ -207,16 +213,20 @@ def _classify_sparse(
         held = _gather(refs, owned) if owned else ()
     clean: list[int] | None = None  # None: every owned block but the excluded ones
     active = len(owned) - len(excluded)
+    counted = cached_unreferenced is not None
+    cached_nonzero = 0  # cached blocks with a non-zero ref count (only when not counted)
     if held.count(1) - sum(1 for b in excluded if refs[b] == 1) == active:
-        cached_owned = len(owned) - count_falsy(_gather(cached, owned)) if owned else 0
-        cached_nonzero = cached_owned - sum(1 for b in excluded if cached[b])
+        if not counted and owned:
+            cached_owned = len(owned) - count_falsy(_gather(cached, owned))
+            cached_nonzero = cached_owned - sum(1 for b in excluded if cached[b])
     else:  # drift: judged one by one
         single = [b for b in owned if b not in excluded]
         held = _gather(refs, single) if single else ()
         clean = list(compress(single, map(eq, held, repeat(1))))
         slow.update(compress(single, map(ne, held, repeat(1))))
         active = len(clean)
-        cached_nonzero = active - count_falsy(_gather(cached, clean)) if clean else 0
+        if not counted and clean:
+            cached_nonzero = active - count_falsy(_gather(cached, clean))
 
     zeros = refs.count(0) if zero_refs is None else zero_refs
     nonzero = n - zeros - sum(1 for b in nulls if b < n and refs[b] != 0)
@@ -232,16 +242,20 @@ def _classify_sparse(
         if b >= n:
             continue
         rc = refs[b]
+        is_cached = bool(cached[b])  # read once: ``cached`` may read the block itself
         if rc == 0:
             zero_done += 1
-            if cached[b]:
-                cached_done += 1
-        elif cached[b]:
+            cached_done += is_cached
+        elif is_cached:
             cached_nonzero += 1
-        _classify(BlockId(b), rc, bool(cached[b]), None, ledger, dbl.get(b), counts, out)
+        _classify(BlockId(b), rc, is_cached, None, ledger, dbl.get(b), counts, out)
     counts[BlockState.ACTIVE] += active
-    cached_total = n - count_falsy(cached) - sum(1 for b in nulls if b < n and cached[b])
-    n_cached = cached_total - cached_nonzero - cached_done
+    if cached_unreferenced is not None:
+        n_cached = cached_unreferenced - cached_done - sum(
+            1 for b in nulls if b < n and refs[b] == 0 and cached[b])
+    else:
+        cached_total = n - count_falsy(cached) - sum(1 for b in nulls if b < n and cached[b])
+        n_cached = cached_total - cached_nonzero - cached_done
     counts[BlockState.CACHED] += n_cached
     counts[BlockState.FREE] += n_zero - zero_done - n_cached
     return n_zero

@@ -48,6 +48,11 @@ class PoolSnapshot:
     zero_refs: int | None = None
     """``ref_counts.count(0)`` (null blocks included) when the reader already counted it, so
     the audit does not count again; ``None``: not counted."""
+    cached_unreferenced: int | None = None
+    """How many blocks are cached with ref count 0 (truthy ``cached`` entry, null blocks
+    included) when the reader counted them: the audit then makes no pass over ``cached``
+    (which may read each block only when indexed) and reads only the blocks it judges one
+    by one; ``None``: counted from ``cached``."""
 
     def __post_init__(self) -> None:
         n = len(self.ref_counts)

@@ -9,7 +9,7 @@ Must run on the engine's scheduler thread, between steps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 
@@ -17,39 +17,92 @@ from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot:
     """Snapshot the pool. Reads every ``ref_cnt`` once; the rest is read only if needed.
 
-    Cached blocks are read as each block's prefix hash (a second pass). The
-    free queue is walked (one more per-block read) only when ``walk_free_queue`` is
-    set or when the pool's free count disagrees with the number of blocks whose ref
-    count is 0 - the only case where membership matters.
+    Two passes over the blocks: every ``ref_cnt``, then the ref counts of the cached
+    blocks (those with a prefix hash), which count the evictable ones. No list of hashes
+    is built: :class:`BlockHashes` reads a block's hash when the reconciler asks, for
+    the few blocks it judges one by one. Measured on 100,000 blocks against the bare
+    ``ref_cnt`` loop: the second pass costs 1.1-1.3x, the list of hashes with its counts
+    1.8x (drained) to 2.5x (busy). The free queue is walked (one more per-block read,
+    and then the hashes are read into a list, since every block is judged) only when
+    ``walk_free_queue`` is set or when the pool's free count disagrees with the number of
+    blocks whose ref count is 0 - the only case where membership matters.
+
+    The snapshot's ``cached`` reads the live blocks: reconcile it in the same pause
+    between steps (as every caller does).
     """
     blocks = block_pool.blocks
-    refs, cached = _read_refs_and_hashes(blocks)
+    refs = [b.ref_cnt for b in blocks]
     n = len(blocks)
     null = getattr(block_pool, "null_block", None)
     nulls = frozenset({null.block_id}) if null is not None else frozenset()
     num_free = int(block_pool.get_num_free_blocks())
     zero_refs = refs.count(0)
     n_zero = zero_refs - sum(1 for b in nulls if b < n and refs[b] == 0)
-    in_queue: bytearray | None = None
     if (walk_free_queue or n_zero != num_free) and blocks and hasattr(blocks[0],
                                                                       "prev_free_block"):
         in_queue = bytearray([b.prev_free_block is not None for b in blocks])
-    return PoolSnapshot(ref_counts=refs, cached=cached, num_free_reported=num_free,
-                        null_block_ids=nulls, in_free_queue=in_queue, zero_refs=zero_refs)
+        return PoolSnapshot(ref_counts=refs, cached=_read_hashes(blocks),
+                            num_free_reported=num_free, null_block_ids=nulls,
+                            in_free_queue=in_queue, zero_refs=zero_refs)
+    hashes = BlockHashes(blocks)
+    return PoolSnapshot(ref_counts=refs, cached=hashes, num_free_reported=num_free,
+                        null_block_ids=nulls, zero_refs=zero_refs,
+                        cached_unreferenced=hashes.ref_counts_of_cached().count(0))
 
 
-def _read_refs_and_hashes(blocks: list[Any]) -> tuple[list[int], list[Any]]:
-    """Every block's ``ref_cnt`` and prefix hash (or ``None``: not cached), in two passes.
+def _hash_attr(blocks: Sequence[Any]) -> str:
+    """vLLM 0.32+ keeps the hash in the ``_block_hash`` slot (``block_hash`` is a property
+    over it); older releases in a plain ``block_hash`` attribute."""
+    return "_block_hash" if blocks and hasattr(blocks[0], "_block_hash") else "block_hash"
 
-    List comprehensions, not ``map(attrgetter(...))``: ``KVCacheBlock`` has ``__slots__``,
+
+def _read_hashes(blocks: list[Any]) -> list[Any]:
+    """Every block's prefix hash (``None``: not cached), in one pass.
+
+    A list comprehension, not ``map(attrgetter(...))``: ``KVCacheBlock`` has ``__slots__``,
     and CPython 3.11+ specialises a comprehension's attribute load for slots, which makes
     it 2.5x faster than ``attrgetter``'s generic lookup (2.1 vs 5.3 ms per 100,000
-    blocks measured). The hash is truthy exactly when the block is cached.
+    blocks measured, both fields). The hash is truthy exactly when the block is cached.
     """
-    refs = [b.ref_cnt for b in blocks]
-    if blocks and hasattr(blocks[0], "_block_hash"):
-        return refs, [b._block_hash for b in blocks]
-    return refs, [b.block_hash for b in blocks]
+    if _hash_attr(blocks) == "_block_hash":
+        return [b._block_hash for b in blocks]
+    return [b.block_hash for b in blocks]
+
+
+class BlockHashes(Sequence[object]):
+    """The prefix hash of each block of a pool, read from the block when indexed.
+
+    What :func:`read_pool` gives as :attr:`PoolSnapshot.cached`: the reconciler reads it
+    for the few blocks it judges one by one and counts the rest through
+    :attr:`PoolSnapshot.cached_unreferenced`. A read is the block's hash *now*: use it
+    on the scheduler thread, between steps, in the same pause as the ``ref_cnt`` pass it
+    goes with (as every caller of :func:`read_pool` does).
+    """
+
+    __slots__ = ("_attr", "_blocks")
+
+    def __init__(self, blocks: list[Any]) -> None:
+        self._blocks = blocks
+        self._attr = _hash_attr(blocks)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @overload
+    def __getitem__(self, index: int) -> object: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[object]: ...
+    def __getitem__(self, index: int | slice) -> object:
+        if isinstance(index, slice):
+            return [getattr(b, self._attr) for b in self._blocks[index]]
+        return getattr(self._blocks[index], self._attr)
+
+    def ref_counts_of_cached(self) -> list[int]:
+        """The ``ref_cnt`` of every block that carries a hash, in block order: one pass,
+        with no list of hashes built (``.count(0)``: the evictable ones)."""
+        if self._attr == "_block_hash":
+            return [b.ref_cnt for b in self._blocks if b._block_hash is not None]
+        return [b.ref_cnt for b in self._blocks if b.block_hash is not None]
 
 
 def request_block_ids(kv_cache_manager: Any, request_id: str) -> list[int]:
@@ -137,7 +190,8 @@ class VllmPoolAccess:
 
     def read(self, lo: int, hi: int) -> PoolSlice:
         sl = self._blocks[lo:hi]
-        refs, cached = _read_refs_and_hashes(sl)
+        refs = [b.ref_cnt for b in sl]
+        cached = _read_hashes(sl)
         # Tested by identity: comparing blocks to None would run their Python __eq__.
         out_of_queue = [b.prev_free_block is None for b in sl].count(True) \
             if self._has_queue else None

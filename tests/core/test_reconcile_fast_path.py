@@ -12,6 +12,9 @@ the same findings, block ids included.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import overload
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +72,35 @@ def _assert_fast_path_equals_walk(refs: list[int], cached: list[bool],
     assert _said(fast) == _said(walked)
     assert fast.num_free_observed == walked.num_free_observed
     assert fast.finished_requests_holding == walked.finished_requests_holding
+    # The reader may count the evictable blocks itself and read ``cached`` per block
+    # (vLLM's reader: no list of hashes): the same states and findings.
+    lazy = _CountingColumn(cached)
+    cached_unreferenced = sum(1 for rc, c in zip(refs, cached, strict=True) if rc == 0 and c)
+    counted = reconcile(PoolSnapshot(refs, lazy, num_free,
+                                     cached_unreferenced=cached_unreferenced), ledger, opts)
+    assert counted.states == walked.states
+    assert _said(counted) == _said(walked)
+
+
+class _CountingColumn(Sequence[bool]):
+    """A ``cached`` column that counts how many entries were read."""
+
+    def __init__(self, values: list[bool]) -> None:
+        self.values = values
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, i: int) -> bool: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[bool]: ...
+    def __getitem__(self, i: int | slice) -> bool | list[bool]:
+        if isinstance(i, slice):
+            raise AssertionError("the audit sliced the cached column")
+        self.reads += 1
+        return self.values[i]
 
 
 @settings(max_examples=300, deadline=None)
@@ -127,6 +159,27 @@ def test_a_busy_pool_of_clean_blocks_takes_no_finding() -> None:
     rec = reconcile(PoolSnapshot(refs, cached, 8), ledger, ReconcileOptions(now=1.0))
     assert rec.findings == []
     assert (rec.states.active, rec.states.cached, rec.states.free) == (16, 3, 5)
+
+
+def test_a_counted_pool_reads_only_the_blocks_it_judges_one_by_one() -> None:
+    """With the evictable blocks counted by the reader, the audit of a busy pool reads the
+    cached column only for the blocks it judges one by one (here the finished holder's),
+    not for the clean blocks or the free ones."""
+    ledger = OwnershipLedger(null_block_ids=(0,))
+    for r in range(4):
+        rid = RequestId(f"req-{r}")
+        ledger.on_request_admitted(rid, 0.0)
+        ledger.on_blocks_acquired(rid, range(1 + 4 * r, 5 + 4 * r), AcquireKind.ALLOCATE)
+    ledger.on_request_finished(RequestId("req-3"), FinishReason.ABORTED, 1.0)
+    ledger.on_request_freed(RequestId("req-3"), 1.0)  # still holds blocks 13-16
+    refs = [0] + [1] * 16 + [0] * 8
+    cached = _CountingColumn([False] + [b % 2 == 0 for b in range(16)] + [True] * 3
+                             + [False] * 5)
+    rec = reconcile(PoolSnapshot(refs, cached, 8, cached_unreferenced=3), ledger,
+                    ReconcileOptions(now=100.0))
+    assert (rec.states.active, rec.states.cached, rec.states.free) == (12, 3, 5)
+    assert [f.block_ids for f in rec.findings] == [[13, 14, 15, 16]]
+    assert cached.reads <= 4 + 1  # the four held blocks, and at most the null block
 
 
 def test_an_unowned_reference_is_found_without_the_free_queue() -> None:

@@ -48,6 +48,11 @@ class VllmAdapter:
         """Scheduler outputs returned by ``schedule`` and not yet passed to
         ``update_from_output``, oldest first, each with whether it schedules any token
         (fed by the hooks)."""
+        self.batches_overlap: bool = max_concurrent_batches(scheduler) != 1
+        """EngineCore may keep scheduled batches in flight between steps (vLLM's
+        ``max_concurrent_batches`` > 1: async scheduling, pipeline parallel), so the hooks
+        report each ``schedule`` and ``update_from_output``. False for a synchronous
+        engine, whose batch is processed in the step that scheduled it (unknown: True)."""
         self.transfers: VllmTransfers | None = transfers_of(scheduler)
         """The KV connector's transfers (P/D), when the engine has a connector."""
         rank, in_group = data_parallel_rank(scheduler)
@@ -145,6 +150,17 @@ _MAX_IN_FLIGHT: Final = 16
 _DP_PROCESS_PREFIX: Final = "EngineCore_DP"
 """vLLM names an engine core process ``EngineCore_DP<rank>`` when it serves a data-parallel
 group (``EngineCore`` alone otherwise)."""
+
+
+def max_concurrent_batches(scheduler: Any) -> int | None:
+    """vLLM's ``VllmConfig.max_concurrent_batches``: how many batches EngineCore keeps in
+    its queue (1: none in flight between steps; async scheduling: 2; pipeline parallel:
+    its size), or None when this vLLM does not say."""
+    try:
+        n = scheduler.vllm_config.max_concurrent_batches
+    except Exception:
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def data_parallel_rank(scheduler: Any) -> tuple[int, bool]:

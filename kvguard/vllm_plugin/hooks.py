@@ -115,8 +115,12 @@ def install_hooks(g: EngineGuard) -> None:
     schedule_seconds = [0.0]
     """Time the last ``Scheduler.schedule`` call took (the online audit's budget basis)."""
     track_in_flight = [False]
-    """Count scheduled batches as in flight: only when ``update_from_output`` is hooked too
-    (else no batch would ever be seen processed, and no moment would count as drained)."""
+    """Count scheduled batches as in flight: only when EngineCore may keep more than one
+    (``vllm.batches_overlap``: async scheduling, pipeline parallel; a synchronous engine
+    processes each batch in the step that scheduled it, so none is ever in flight between
+    steps, and two calls per step are saved), and only when ``update_from_output`` is
+    hooked too (else no batch would ever be seen processed, and no moment would count as
+    drained)."""
     # Pool events go to the ledger itself (the session's ``on_blocks_*`` only forward
     # there; its ledger lives as long as it, ``reset`` works in place; its methods are
     # looked up per call, so a replaced one takes effect). kvguard makes about 100 Python
@@ -314,7 +318,9 @@ def install_hooks(g: EngineGuard) -> None:
             t0 = perf_counter()
             ret = orig(*args, **kwargs)
             try:
-                vllm.on_output_processed(args[0] if args else kwargs.get("scheduler_output"))
+                if track_in_flight[0]:
+                    vllm.on_output_processed(args[0] if args
+                                             else kwargs.get("scheduler_output"))
                 g.on_step_end(step_seconds=schedule_seconds[0] + perf_counter() - t0)
             except Exception as exc:
                 errors.record("update_from_output", exc)
@@ -358,4 +364,5 @@ def install_hooks(g: EngineGuard) -> None:
                     make_schedule, make_update_from_output)
     for name, make in zip(SCHEDULER_HOOKS, sched_makers, strict=True):
         _wrap(g, sched, name, make)
-    track_in_flight[0] = f"{type(sched).__name__}.update_from_output" in g.hooks_installed
+    track_in_flight[0] = (vllm.batches_overlap
+                          and f"{type(sched).__name__}.update_from_output" in g.hooks_installed)

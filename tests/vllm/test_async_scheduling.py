@@ -92,6 +92,9 @@ def test_async_mode_runs_vllms_async_scheduler_with_a_batch_queue_and_the_same_t
     sync_core = sync_h.engine.engine_core.engine_core
     assert not isinstance(sync_h.scheduler, AsyncScheduler) and sync_core.batch_queue is None
     assert sync_h.scheduling is Scheduling.SYNC
+    # kvguard tracks scheduled batches exactly where vLLM keeps a batch queue (a sync
+    # engine processes each batch in the step that scheduled it: nothing to track).
+    assert async_h.guard.adapter.batches_overlap and not sync_h.guard.adapter.batches_overlap
 
     prompts = [prompt(40 + i, 30 + 17 * i) for i in range(4)]
     assert _greedy_tokens(async_h, prompts, 12) == _greedy_tokens(sync_h, prompts, 12)

@@ -15,6 +15,16 @@ checkpoints with attribution) against kvguard off (``KVGUARD_ENABLED=0``):
 - ``server``: two real OpenAI servers on 127.0.0.1, driven by the official ``openai``
   client (``AsyncOpenAI``, 128 concurrent completions).
 
+- ``same-engine-sync`` / ``same-engine-async``: one ``LLM`` with kvguard, whose hooks
+  are taken out (the engine's own methods back) for every other repetition: no process
+  bias. Each process carries a bias of its own that pairs of repetitions cannot cancel
+  (the step-mix benchmark measured 1.09x and 0.95x between two processes that both ran
+  without kvguard), so ``inproc-*`` compares two processes and its interval does not
+  cover that bias; here both sides share the process, the engine and its memory. What
+  the "without" side still carries is kvguard's idle objects and its publisher thread
+  asleep. The prefix cache is reset before every repetition, on both sides, so that
+  neither hits the other's blocks.
+
 The two sides run one repetition each in turn, the order alternating per pair (ABBA),
 so machine drift cancels within a pair; the per-pair throughput ratio (on / off) is the
 sample. Pairs are added until the 95 % interval of the mean ratio is within +-0.5 % or
@@ -46,7 +56,7 @@ BUDGET_SECONDS = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_SECONDS", "100")
 MIN_PAIRS = 6
 MAX_PAIRS = 200
 TARGET_HALF_WIDTH = 0.005
-MODES = ("inproc-sync", "inproc-async", "server")
+MODES = ("inproc-sync", "inproc-async", "same-engine-sync", "same-engine-async", "server")
 SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
 """Both sides: vLLM iterates sets of request ids, so two processes with different hash
 seeds schedule (preempt, admit) differently and do different work."""
@@ -96,6 +106,83 @@ def worker(scheduling: str, model_dir: str) -> None:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         reply({"seconds": dt, "tokens": tokens})
     os._exit(0)
+
+
+def toggle_worker(scheduling: str, model_dir: str) -> None:
+    """One ``LLM`` with kvguard; each ``run SEED on|off`` runs a repetition with its hooks
+    in place or taken out."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvguard.demo.engine import scheduler_of
+    from kvguard.demo.scheduling import Scheduling, requesting_async
+    from kvguard.demo.warmup import warm_up_engine
+    from kvguard.vllm_plugin.hooks import _MARK
+
+    kwargs = spec_for(Path(model_dir), scheduling).engine_kwargs()
+    kwargs.pop("async_scheduling", None)
+    if scheduling == Scheduling.ASYNC:
+        with requesting_async():
+            llm = LLM(**kwargs, async_scheduling=True)
+    else:
+        llm = LLM(**kwargs)
+    warm_up_engine(llm.llm_engine)
+    sched = scheduler_of(llm.llm_engine)
+    kvm = sched.kv_cache_manager
+    owners = [o for o in (sched, kvm.block_pool, getattr(kvm, "coordinator", None))
+              if o is not None]
+    hooks = [(o, n, f) for o in owners for n, f in list(vars(o).items())
+             if getattr(f, _MARK, False)]
+    if not hooks:
+        raise RuntimeError("kvguard's hooks are not installed on this engine")
+
+    def set_mode(on: bool) -> None:
+        for o, n, f in hooks:
+            if on:
+                setattr(o, n, f)
+            else:
+                o.__dict__.pop(n, None)  # the class's method again
+
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
+    reply("ready")
+    for line in sys.stdin:
+        _, seed, mode = line.split()
+        set_mode(mode == "on")
+        llm.reset_prefix_cache()  # neither side hits the blocks the other cached
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(int(seed))]
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        reply({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+    os._exit(0)
+
+
+class SameEngine:
+    """Both sides of a ``same-engine-*`` mode: one worker, kvguard's hooks in or out."""
+
+    def __init__(self, mode: str, model_dir: Path, log: Path) -> None:
+        self.worker = Worker(__file__, ["toggle", mode.removeprefix("same-engine-"),
+                                        str(model_dir)],
+                             {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
+                              "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}")}, log)
+
+    def side(self, enabled: bool) -> Any:
+        return _ToggledSide(self.worker, enabled)
+
+
+class _ToggledSide:
+    def __init__(self, worker: Worker, enabled: bool) -> None:
+        self.worker, self.enabled = worker, enabled
+
+    def run(self, seed: int) -> tuple[float, int]:
+        out = self.worker.ask(f"run {seed} {'on' if self.enabled else 'off'}")
+        assert isinstance(out, dict)
+        return float(out["seconds"]), int(out["tokens"])
+
+    def close(self) -> None:
+        if self.enabled:
+            self.worker.close()
 
 
 class InProcessSide:
@@ -208,6 +295,9 @@ def main() -> None:
         if mode == "server":
             rows.append(measure(mode, lambda on: ServerSide(model_dir, on,
                                                             tmp / f"server-{int(on)}.log")))
+        elif mode.startswith("same-engine-"):
+            engine = SameEngine(mode, model_dir, tmp / f"{mode}.log")
+            rows.append(measure(mode, engine.side))
         else:
             rows.append(measure(mode, lambda on, m=mode: InProcessSide(
                 m, model_dir, on, tmp / f"{m}-{int(on)}.log")))
@@ -221,7 +311,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+    if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "toggle"]:
+        toggle_worker(sys.argv[3], sys.argv[4])
+    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2], sys.argv[3])
     else:
         main()

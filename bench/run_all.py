@@ -80,8 +80,12 @@ def _throughput_rows() -> list[str]:
         verdict = (ok(mean >= d["target_mean_ratio"]) if known
                    else f"{ok(mean - half >= d['target_mean_ratio'])} (interval +-"
                         f"{100 * half:.1f} %)")
-        how = {"inproc-sync": "in-process `LLM.generate`, sync scheduling",
-               "inproc-async": "in-process `LLM.generate`, async scheduling",
+        how = {"inproc-sync": "in-process `LLM.generate`, sync scheduling, two processes",
+               "inproc-async": "in-process `LLM.generate`, async scheduling, two processes",
+               "same-engine-sync": "in-process `LLM.generate`, sync scheduling, one engine: "
+                                   "kvguard's hooks in and out per repetition",
+               "same-engine-async": "in-process `LLM.generate`, async scheduling, one "
+                                    "engine: kvguard's hooks in and out per repetition",
                "server": "OpenAI server, `openai` client"}[row["mode"]]
         out.append(
             f"| 7 | end-to-end throughput with kvguard >= 0.99x without ({how}; "

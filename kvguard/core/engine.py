@@ -105,6 +105,11 @@ class EngineAdapter(Protocol):
 
     def activity(self) -> EngineActivity: ...
 
+    def has_live_work(self) -> bool:
+        """Whether requests are running or waiting now: what :meth:`activity` would say
+        first, in one cheap test (every free re-arms the drain check, and under load the
+        answer is nearly always yes)."""
+
     def finished_requests(self) -> Mapping[str, FinishReason]:
         """Finished requests the engine still keeps (with their blocks), and why each
         finished: adopted as delayed frees when the ledger is rebuilt."""

@@ -381,6 +381,11 @@ class GuardSession:
         return None
 
     def maybe_checkpoint(self) -> CheckpointReport | None:
+        if not self._checkpoint_requested and self.adapter.has_live_work():
+            # Not drained, as drain_blocker would say first, without building its answer
+            # (called after every free: under load nearly always this).
+            self.drain_pending = False  # the next free re-arms it
+            return None
         now = time.time()
         blocked = self.drain_blocker(now)
         if blocked is not None:

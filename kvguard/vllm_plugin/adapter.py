@@ -116,6 +116,13 @@ class VllmAdapter:
                               unfinished=unfinished, finished_held=tuple(held),
                               batches_in_flight=self.batches_in_flight)
 
+    def has_live_work(self) -> bool:
+        s = self.scheduler
+        try:
+            return bool(len(s.running) or len(s.waiting))
+        except (AttributeError, TypeError):
+            return self.activity().live_work
+
     def finished_requests(self) -> dict[str, FinishReason]:
         requests: Mapping[str, Any] = getattr(self.scheduler, "requests", {}) or {}
         return {str(rid): finish_reason_of(req) for rid, req in requests.items()

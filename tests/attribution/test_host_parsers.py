@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 from _attr_fakes import LINUX_MEMINFO, LINUX_STATUS, FakeHost, GiB, MiB
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvguard.attribution.host import (
+    kib_field,
     parse_int,
     parse_kib_fields,
     parse_meminfo,
@@ -37,6 +40,35 @@ def test_kib_fields_keep_counts_and_skip_malformed_lines() -> None:
     assert "Broken" not in f
     status = parse_kib_fields(LINUX_STATUS)
     assert status["VmRSS"] == 2 * GiB and status["Threads"] == 37
+
+
+_NAMES = st.sampled_from(["VmRSS", "SwapTotal", "SwapFree", "MemAvailable", "Threads",
+                          "HugePages_Total", "Hugepagesize", "VmSwap"])
+_LINES = st.one_of(
+    st.tuples(_NAMES, st.sampled_from([" ", "\t", "   ", ""]), st.integers(0, 10**12),
+              st.sampled_from(["", " kB", "\tkB", " kb", " KB", "kB", " kBx", " MB", " kB x"]))
+    .map(lambda t: f"{t[0]}:{t[1]}{t[2]}{t[3]}"),
+    st.sampled_from(["garbage line", "Broken: x kB", "Name: -5 kB", "Cpus_allowed:\tff",
+                     "Empty:", ""]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(_LINES, max_size=12), name=_NAMES, trailing=st.booleans())
+def test_one_field_reads_as_the_full_parse_reads_it(lines: list[str], name: str,
+                                                   trailing: bool) -> None:
+    """The checkpoint's one-field reader agrees with the full parser on every field that
+    appears once (real /proc files name each field once)."""
+    text = "\n".join(lines) + ("\n" if trailing else "")
+    if sum(1 for line in lines if line.startswith(name + ":")) > 1:
+        return
+    assert kib_field(text, name) == parse_kib_fields(text).get(name)
+
+
+def test_one_field_on_real_samples() -> None:
+    for text in (LINUX_MEMINFO, LINUX_STATUS):
+        for name, value in parse_kib_fields(text).items():
+            assert kib_field(text, name) == value, name
 
 
 @pytest.mark.parametrize(

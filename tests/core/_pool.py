@@ -465,6 +465,10 @@ class RefAdapter:
                               waiting=sum(1 for r in live if r.phase == "waiting"),
                               deferred_frees=0, unfinished=None)
 
+    def has_live_work(self) -> bool:
+        act = self.activity()
+        return bool(act.running or act.waiting)
+
     def finished_requests(self) -> dict[str, FinishReason]:
         return {}
 

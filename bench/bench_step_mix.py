@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import Worker, reply, save, stats, t_interval
+from common import Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
 PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "2"))
 """Process pairs: each process carries a bias of its own (memory layout, thread placement;
@@ -232,33 +232,18 @@ def worker(enabled: str) -> None:
     os._exit(0)
 
 
-def hooked_methods(h: Any) -> list[tuple[Any, str, Any]]:
-    """Every kvguard hook on the engine: (object, method name, kvguard's wrapper)."""
-    from kvguard.vllm_plugin.hooks import _MARK
-
-    sched = h.scheduler
-    kvm = sched.kv_cache_manager
-    objs = [sched, kvm.block_pool, getattr(kvm, "coordinator", None)]
-    return [(o, n, f) for o in objs if o is not None for n, f in list(vars(o).items())
-            if getattr(f, _MARK, False)]
-
-
 def toggle_worker() -> None:
     """One engine with kvguard; each round runs with its hooks in place or taken out (the
     engine's own methods back), as the driver asks: ``run SEED on|off``. The same engine,
     process and memory on both sides, so the ratio carries no process or engine bias.
     ``selftime ROUNDS``: kvguard's own time per hook, from clocks at every hook boundary."""
     h, sched = _build_engine_on()
-    hooks = hooked_methods(h)
+    hooks = kvguard_hooks(h.scheduler)
     samples: list[int] = []
     tags: list[str] = []
 
     def set_mode(on: bool) -> None:
-        for o, n, f in hooks:  # schedule and update_from_output among them
-            if on:
-                setattr(o, n, f)
-            else:
-                o.__dict__.pop(n, None)  # the class's method again
+        set_hooks(hooks, on)  # schedule and update_from_output among them
         timed(sched, samples, tags, h.guard if on else None)
 
     for on in (True, False):

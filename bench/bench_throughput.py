@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import Worker, reply, save, t_interval
+from common import Worker, kvguard_hooks, reply, save, set_hooks, t_interval
 
 REQUESTS = 128
 PREFIX_TOKENS = 64
@@ -77,12 +77,11 @@ def spec_for(model_dir: Path, scheduling: str) -> Any:
                       kv_cache_memory_bytes=32 << 20, scheduling=scheduling)
 
 
-# ------------------------------------------------------------------ in-process worker
-def worker(scheduling: str, model_dir: str) -> None:
-    """One side: an ``LLM`` in this process; one repetition per ``run SEED`` on stdin."""
+# ------------------------------------------------------------------ in-process workers
+def _warm_llm(scheduling: str, model_dir: str) -> Any:
+    """An ``LLM`` in this process (engine core in process too), warmed up."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     from kvguard.demo.scheduling import Scheduling, requesting_async
     from kvguard.demo.warmup import warm_up_engine
@@ -95,66 +94,46 @@ def worker(scheduling: str, model_dir: str) -> None:
     else:
         llm = LLM(**kwargs)
     warm_up_engine(llm.llm_engine)
+    return llm
+
+
+def _repetition(llm: Any, seed: int) -> dict[str, float]:
+    """One repetition of the workload: its wall time (s) and output tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed)]
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return {"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+
+def worker(scheduling: str, model_dir: str) -> None:
+    """One side: an ``LLM`` in this process; one repetition per ``run SEED`` on stdin."""
+    llm = _warm_llm(scheduling, model_dir)
     reply("ready")
     for line in sys.stdin:
-        seed = int(line.split()[1])
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed)]
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        reply({"seconds": dt, "tokens": tokens})
+        reply(_repetition(llm, int(line.split()[1])))
     os._exit(0)
 
 
 def toggle_worker(scheduling: str, model_dir: str) -> None:
     """One ``LLM`` with kvguard; each ``run SEED on|off`` runs a repetition with its hooks
     in place or taken out."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     from kvguard.demo.engine import scheduler_of
-    from kvguard.demo.scheduling import Scheduling, requesting_async
-    from kvguard.demo.warmup import warm_up_engine
-    from kvguard.vllm_plugin.hooks import _MARK
 
-    kwargs = spec_for(Path(model_dir), scheduling).engine_kwargs()
-    kwargs.pop("async_scheduling", None)
-    if scheduling == Scheduling.ASYNC:
-        with requesting_async():
-            llm = LLM(**kwargs, async_scheduling=True)
-    else:
-        llm = LLM(**kwargs)
-    warm_up_engine(llm.llm_engine)
-    sched = scheduler_of(llm.llm_engine)
-    kvm = sched.kv_cache_manager
-    owners = [o for o in (sched, kvm.block_pool, getattr(kvm, "coordinator", None))
-              if o is not None]
-    hooks = [(o, n, f) for o in owners for n, f in list(vars(o).items())
-             if getattr(f, _MARK, False)]
+    llm = _warm_llm(scheduling, model_dir)
+    hooks = kvguard_hooks(scheduler_of(llm.llm_engine))
     if not hooks:
         raise RuntimeError("kvguard's hooks are not installed on this engine")
-
-    def set_mode(on: bool) -> None:
-        for o, n, f in hooks:
-            if on:
-                setattr(o, n, f)
-            else:
-                o.__dict__.pop(n, None)  # the class's method again
-
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
     reply("ready")
     for line in sys.stdin:
         _, seed, mode = line.split()
-        set_mode(mode == "on")
+        set_hooks(hooks, mode == "on")
         llm.reset_prefix_cache()  # neither side hits the blocks the other cached
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(int(seed))]
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        reply({"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+        reply(_repetition(llm, int(seed)))
     os._exit(0)
 
 

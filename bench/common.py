@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(os.environ.get("KVGUARD_BENCH_RESULTS") or Path(__file__).with_name("results"))
 
@@ -42,6 +43,26 @@ def save(name: str, payload: dict[str, object]) -> None:
     payload = {"name": name, "machine": machine(), **payload}
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2, default=float))
     print(json.dumps(payload, default=float))
+
+
+def kvguard_hooks(scheduler: Any) -> list[tuple[Any, str, Any]]:
+    """Every kvguard hook on an engine: (object, method name, kvguard's wrapper), on the
+    scheduler, its block pool and its KV cache coordinator."""
+    from kvguard.vllm_plugin.hooks import _MARK
+
+    kvm = scheduler.kv_cache_manager
+    objs = [scheduler, kvm.block_pool, getattr(kvm, "coordinator", None)]
+    return [(o, n, f) for o in objs if o is not None for n, f in list(vars(o).items())
+            if getattr(f, _MARK, False)]
+
+
+def set_hooks(hooks: list[tuple[Any, str, Any]], on: bool) -> None:
+    """Put kvguard's hooks in place, or take them out (the class's own methods back)."""
+    for o, n, f in hooks:
+        if on:
+            setattr(o, n, f)
+        else:
+            o.__dict__.pop(n, None)
 
 
 MARK = "@@kvguard-bench@@ "

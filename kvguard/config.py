@@ -45,8 +45,12 @@ class KvguardConfig:
     Mooncake's abort timeout), else 30 s."""
     saturation_ratio: float = 0.8
     """Cached share of capacity at which a clean pool is reported ``saturated``."""
-    checkpoint_min_interval_seconds: float = 1.0
-    """At most one checkpoint per this interval while the engine stays drained-with-suspects."""
+    checkpoint_min_interval_seconds: float = 0.0
+    """0 (the default): every drain is audited. Above 0, drained audits are paced: after
+    ``checkpoint_burst`` in a row, at most one per this interval; a drain in between is
+    audited at the next drain or admission the pace allows (:mod:`kvguard.core.pacing`)."""
+    checkpoint_burst: int = 4
+    """Drained audits allowed in a row before the interval applies (token bucket size)."""
     publish_interval_seconds: float = 1.0
     """Live counters are handed to the publisher at most this often."""
     history: int = 64
@@ -110,6 +114,9 @@ class KvguardConfig:
         if not 0.0 < self.online_budget_fraction <= 0.5:
             raise ConfigError("KVGUARD_ONLINE_BUDGET_FRACTION", self.online_budget_fraction,
                               "a fraction of scheduler time in (0, 0.5], e.g. 0.005")
+        if self.checkpoint_burst < 1:
+            raise ConfigError("KVGUARD_CHECKPOINT_BURST", self.checkpoint_burst,
+                              "an integer >= 1")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
         if self.engine_name is not None and not re.match(ENGINE_NAME_PATTERN, self.engine_name):

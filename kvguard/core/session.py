@@ -44,6 +44,7 @@ from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
+from kvguard.core.pacing import CheckpointPacer
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
 from kvguard.core.state import EngineState, OnlineState
@@ -148,6 +149,9 @@ class GuardSession:
         self.last_pool: PoolReport | None = None
         self.drain_pending = False
         """A free happened since the last drain check: the next step end checks again."""
+        self.pacer = CheckpointPacer(config.checkpoint_min_interval_seconds,
+                                     config.checkpoint_burst)
+        """Which drained moments are audited (its ``owed_since``: one was let go)."""
         self.publisher = sink
         self.transfer_source = adapter.kv_transfers()
         """The engine's KV connector for P/D transfers (None: the engine has none)."""
@@ -185,6 +189,7 @@ class GuardSession:
         and a new publish interval applies from the next step (not after the old one ran out)."""
         self._config = config
         self._next_publish = 0.0
+        self.pacer.reconfigure(config.checkpoint_min_interval_seconds, config.checkpoint_burst)
         if not config.online_audit:
             self.online = None
             return
@@ -401,13 +406,23 @@ class GuardSession:
                 self.drain_pending = False  # the next free re-arms it
             return None
         self.drain_pending = False
+        if not self._checkpoint_requested and not self.pacer.take(time.monotonic(), now):
+            return None  # owed: the next drained moment or admission the pace allows
         self._checkpoint_requested = False
         return self.checkpoint_now(now=now)
+
+    def on_admitting(self) -> None:
+        """Before a request enters, while a drained audit is owed (``pacer.owed_since``):
+        take it now if the pace allows and the engine is still drained (the pool is as the
+        skipped drain left it; an engine gone idle owing one takes no steps to run it)."""
+        if self.pacer.ready(time.monotonic()):
+            self.maybe_checkpoint()
 
     def checkpoint_now(self, *, now: float | None = None) -> CheckpointReport:
         """Audit the real pool against the ledger now. Callers make sure it is drained."""
         now = time.time() if now is None else now
         t0 = time.perf_counter()
+        self.pacer.audited()
         lost = self._ledger_errors_since_checkpoint()
         if lost:
             # A contained hook failure means the ledger missed events: its owners can
@@ -594,6 +609,8 @@ class GuardSession:
             online_checkpoints_total=dict(self.online_checkpoints_total),
             online=self.online_state(),
             publish_drops_total=self.publisher.drops,
+            drains_unaudited_total=self.pacer.drains_unaudited,
+            unaudited_drain_at=self.pacer.owed_since,
             drain=self.drain_prediction(),
             transfers=self.transfers.state() if self.transfers is not None else None,
             reports=list(self.reports),

@@ -69,6 +69,13 @@ class EngineState(BaseModel):
         default_factory=dict, description="The part of checkpoints_total from online audits.")
     online: OnlineState | None = None
     publish_drops_total: int = 0
+    drains_unaudited_total: int = Field(
+        default=0, description="Drained moments not audited then, under the checkpoint pace "
+                               "(KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS, _BURST).")
+    unaudited_drain_at: float | None = Field(
+        default=None, description="Unix time of a drain not audited yet (the pace let it go): "
+                                  "the latest drained report is older than the pool's state. "
+                                  "None: the last drain was audited.")
     drain: DrainPrediction | None = Field(default=None, description="When the next drain can be.")
     transfers: TransfersState | None = Field(
         default=None, description="KV transfers between engines (P/D); None without a "

@@ -75,6 +75,9 @@ class KvguardCollector(Collector):
                                      labels=["engine", "event"])
         errors = CounterMetricFamily("kvguard_hook_errors",
                                      "Failures inside kvguard hook code (contained).", labels=eng)
+        unaudited = CounterMetricFamily(
+            "kvguard_drains_unaudited", "Drained moments not audited then: the checkpoint "
+            "pace let them go (audited at a later drain or admission).", labels=eng)
         allocator = GaugeMetricFamily(
             "kvguard_allocator_bytes", "Framework allocator bytes at the last drained "
             "checkpoint; allocated sits inside reserved (never add them).",
@@ -166,13 +169,14 @@ class KvguardCollector(Collector):
             for event, n in sorted(s.events_total.items()):
                 events.add_metric([name, event], float(n))
             errors.add_metric([name], float(s.hook_errors_total))
+            unaudited.add_metric([name], float(s.drains_unaudited_total))
         read_errors = CounterMetricFamily("kvguard_sidecar_read_errors",
                                           "Engine state files the sidecar could not read.")
         read_errors.add_metric([], float(self.store.num_read_errors))
         if latest_swap is not None:
             swap.add_metric([], float(latest_swap[1]))
         yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
-                    events, errors, read_errors, drain_eta, allocator, device, swap,
+                    events, errors, unaudited, read_errors, drain_eta, allocator, device, swap,
                     sweeps, online_seconds, sweep_steps, latency, last_sweep, kv_info,
                     kv_pending, kv_outcomes, kv_hazards)
 

@@ -173,8 +173,15 @@ def install_hooks(g: EngineGuard) -> None:
         _wrap(g, pool, name, make)
 
     # --- scheduler: lifecycle ----------------------------------------------
+    pacer = g.pacer  # reconfigured in place: the same object for the session's life
+
     def make_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
+            if pacer.owed_since is not None:  # a drain went unaudited: audit before it enters
+                try:
+                    g.on_admitting()
+                except Exception as exc:
+                    errors.record("add_request", exc)
             ret = orig(request, *args, **kwargs)
             try:
                 now = time.time()

@@ -73,6 +73,7 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_engine_info": _m("gauge", "engine", "epoch", "kvguard_version", "engine_kind",
                               "engine_version"),
     "kvguard_sidecar_read_errors_total": _m("counter"),
+    "kvguard_drains_unaudited_total": _m("counter", "engine"),
     "kvguard_online_sweeps_total": _m("counter", "engine"),
     # P/D: only engines with a KV connector export these (tests/pd scrapes them).
     "kvguard_kv_connector_info": _m("gauge", "engine", "connector", "kv_role", "kv_engine_id",

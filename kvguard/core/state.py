@@ -13,11 +13,12 @@ from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 
-STATE_SCHEMA_VERSION = 3
+STATE_SCHEMA_VERSION = 4
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
-kvguard version" instead."""
+kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
+pace of drained audits)."""
 
 
 class OnlineState(BaseModel):

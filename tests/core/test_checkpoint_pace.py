@@ -2,7 +2,7 @@
 
 First the token bucket alone, on explicit clocks; then a guard session on the reference
 pool, whose truth is what the harness leaked on purpose. The real engine's twin is
-``tests/vllm/test_checkpoint_pace.py``.
+``tests/vllm/test_checkpoint_pace_engine.py``.
 """
 
 from __future__ import annotations

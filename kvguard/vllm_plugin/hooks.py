@@ -181,7 +181,7 @@ def install_hooks(g: EngineGuard) -> None:
                 try:
                     g.on_admitting()
                 except Exception as exc:
-                    errors.record("add_request", exc)
+                    errors.record("checkpoint", exc)  # an audit failed: no event was lost
             ret = orig(request, *args, **kwargs)
             try:
                 now = time.time()

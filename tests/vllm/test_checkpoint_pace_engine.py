@@ -68,3 +68,36 @@ def test_a_drain_the_pace_let_go_is_audited_before_the_next_request_enters(
     assert g.state().unaudited_drain_at is None
     h.run_to_completion()  # the engine goes on: the new request finishes
     assert h.vllm_status(nxt) is not None
+
+
+def test_an_audit_failing_at_admission_is_counted_and_the_request_still_runs(
+        engines: Engines, monkeypatch: pytest.MonkeyPatch) -> None:
+    h = engines()
+    g = h.guard
+    g.config = dataclasses.replace(g.config, checkpoint_min_interval_seconds=3600.0,
+                                   checkpoint_burst=1)
+    for seed in (710, 711):  # the second drain finds no token: owed
+        h.add(prompt(seed, 40), max_tokens=4)
+        h.run_to_completion()
+        h.drain_scheduler()
+    assert g.pacer.owed_since is not None
+    g.config = dataclasses.replace(g.config, checkpoint_min_interval_seconds=1e-6)
+
+    def broken(**_: object) -> None:
+        raise RuntimeError("audit broke")
+
+    monkeypatch.setattr(g, "checkpoint_now", broken)
+    generated = h.vllm_metric("vllm:generation_tokens")
+    h.add(prompt(712, 40), max_tokens=4)
+    assert g.errors.by_hook["checkpoint"] == 1
+    h.run_to_completion()
+    h.drain_scheduler()
+    # vLLM's own counters and pool: the request ran to its end and gave its blocks back.
+    assert h.vllm_metric("vllm:generation_tokens") - generated == 4
+    assert not h.pool_truth().referenced
+    monkeypatch.undo()
+    g.request_checkpoint()
+    g.on_step_end()
+    r = h.latest()
+    # No hook event was lost: the next audit judges (not "records incomplete").
+    assert r.drained and r.verdict in (Verdict.CLEAN, Verdict.SATURATED), r.explanation

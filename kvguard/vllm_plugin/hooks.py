@@ -6,7 +6,7 @@ Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone
 ``BlockPool.get_new_blocks``                     blocks allocated (unattributed until claimed)
 ``BlockPool.touch``                              prefix-cache hit: a reference on a cached block
 ``BlockPool.free_blocks`` / ``unpin_blocks``     references released
-``Scheduler.add_request``                        admit
+``Scheduler.add_request``                        admit (first: a drained audit the pace owes)
 ``Scheduler._preempt_request``                   preempt (the request's blocks are freed)
 ``Scheduler._free_request``                      finish with reason; connector may delay the free
 ``Scheduler._free_request_blocks``               the free itself, possibly deferred

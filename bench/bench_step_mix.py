@@ -2,8 +2,10 @@
 
 Target 1 (``bench_hook_overhead.py``) times the steady state: only steps with all 64
 requests running. Here every step counts (admission, chunked prefills, finishing, the
-drained checkpoint each round ends with), on a workload with the paths where kvguard
-does more work:
+drained checkpoint each round ends with), and a step's time includes the
+``Scheduler.add_request`` calls made since the step before (kvguard's admission hook runs
+there, and so does a drained audit the checkpoint pace owes), on a workload with the paths
+where kvguard does more work:
 
 - prefix hits: 4 groups of 16 requests share a 64-token prefix;
 - preemption: 64 requests of up to 96 + 96 tokens do not fit a 160-block pool;
@@ -84,6 +86,12 @@ SELF_TIME_ROUNDS = 2
 """Rounds timed at every hook boundary (kvguard's own time per hook), in one process."""
 
 
+PACED_INTERVAL = "10"
+"""``KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS`` of the paced measurement: a round takes
+about 1-2 s here, so a pace of 1 s would let every drain through; at 10 s, after the
+burst of 4, most drains are let go and audited later (at an admission the pace allows)."""
+
+
 GC_IN_STEPS = {"ns": 0, "collections": 0, "start": 0, "in_step": 0}
 """Garbage-collection pauses that fall inside timed steps (``gc.callbacks``): both sides
 pay them, kvguard's side for its own objects too."""
@@ -98,39 +106,55 @@ def _on_gc(phase: str, info: dict[str, int]) -> None:
         g["collections"] += 1
 
 
+def _clocked(fn: Any, done: Any) -> Any:
+    """``fn`` timed: ``done(ns)`` with its time, garbage collection inside it counted."""
+    def run(*a: Any, **k: Any) -> Any:
+        GC_IN_STEPS["in_step"] = 1
+        t = time.perf_counter_ns()
+        try:
+            return fn(*a, **k)
+        finally:
+            done(time.perf_counter_ns() - t)
+            GC_IN_STEPS["in_step"] = 0
+    return run
+
+
 def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
-    """Time every ``schedule`` + ``update_from_output`` pair; tag what kvguard did in it."""
-    schedule, update = sched.schedule, sched.update_from_output
+    """Time every ``schedule`` + ``update_from_output`` pair, with the ``add_request`` calls
+    since the step before (admission runs between steps: kvguard's admission hook, and a
+    drained audit the checkpoint pace owes, are paid there); tag what kvguard did in it."""
+    schedule, update, admit = sched.schedule, sched.update_from_output, sched.add_request
     acc = [0]
+    admitted = [0]
+    """``add_request`` time since the last step (ns), counted in the next one."""
 
     def marks() -> tuple[int, int]:
         if guard is None:
             return 0, 0
         return len(guard.reports), guard.online.stats.sweeps_total if guard.online else 0
 
-    def schedule_timed(*a: Any, **k: Any) -> Any:
-        GC_IN_STEPS["in_step"] = 1
-        t = time.perf_counter_ns()
-        try:
-            return schedule(*a, **k)
-        finally:
-            acc[0] = time.perf_counter_ns() - t
-            GC_IN_STEPS["in_step"] = 0
+    last = [marks()]
+    """kvguard's marks at the end of the last step: a change since is this step's doing."""
 
-    def update_timed(*a: Any, **k: Any) -> Any:
-        before = marks()
-        GC_IN_STEPS["in_step"] = 1
-        t = time.perf_counter_ns()
-        try:
-            return update(*a, **k)
-        finally:
-            samples.append(acc[0] + time.perf_counter_ns() - t)
-            GC_IN_STEPS["in_step"] = 0
-            after = marks()
-            tags.append("checkpoint" if after[0] != before[0] else
-                        "sweep" if after[1] != before[1] else "")
+    def admitted_done(ns: int) -> None:
+        admitted[0] += ns
 
+    def schedule_done(ns: int) -> None:
+        acc[0] = ns + admitted[0]
+        admitted[0] = 0
+
+    def update_done(ns: int) -> None:
+        samples.append(acc[0] + ns)
+        after = marks()
+        tags.append("checkpoint" if after[0] != last[0][0] else
+                    "sweep" if after[1] != last[0][1] else "")
+        last[0] = after
+
+    add_request_timed = _clocked(admit, admitted_done)
+    schedule_timed = _clocked(schedule, schedule_done)
+    update_timed = _clocked(update, update_done)
     sched.schedule, sched.update_from_output = schedule_timed, update_timed
+    sched.add_request = add_request_timed
 
 
 def prompt(group: int, r: int, n: int = 96) -> list[int]:
@@ -252,6 +276,11 @@ def toggle_worker() -> None:
     reply("ready")
     for line in sys.stdin:
         words = line.split()
+        if words[0] == "verdicts":  # what kvguard's drained audits said, and let go
+            reply({"verdicts": dict(collections.Counter(r.verdict.value
+                                                        for r in h.guard.reports)),
+                   "drains_unaudited": h.guard.pacer.drains_unaudited})
+            continue
         if words[0] == "selftime":
             set_mode(True)
             out = self_time(h, hooks, int(words[1]))
@@ -374,14 +403,17 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
     return sides
 
 
-def measure_toggle(env: dict[str, str], tmp: Path) -> dict[str, Any]:
+def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True) -> dict[str, Any]:
     """The same engine with kvguard's hooks in and out, per round (ABBA), in
-    ``TOGGLE_PROCESSES`` processes; then kvguard's own time per hook in the first one."""
+    ``TOGGLE_PROCESSES`` processes; then kvguard's own time per hook in the first one
+    (``self_time``), and what its drained audits said in each."""
     per_round: list[float] = []
     per_process: list[float] = []
     us: dict[str, list[float]] = {"on": [], "off": []}
     mismatched = 0
     breakdown: dict[str, Any] = {}
+    verdicts: collections.Counter[str] = collections.Counter()
+    unaudited = 0
     for p in range(TOGGLE_PROCESSES):
         w = Worker(__file__, ["toggle"], env, tmp / f"toggle-{p}.log")
         try:
@@ -402,7 +434,11 @@ def measure_toggle(env: dict[str, str], tmp: Path) -> dict[str, Any]:
             per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
             for k in us:
                 us[k] += mine[k]
-            if p == 0:
+            out = w.ask("verdicts")
+            assert isinstance(out, dict)
+            verdicts.update(out["verdicts"])
+            unaudited += out["drains_unaudited"]
+            if p == 0 and self_time:
                 out = w.ask(f"selftime {SELF_TIME_ROUNDS}")
                 assert isinstance(out, dict)
                 breakdown = out
@@ -414,6 +450,7 @@ def measure_toggle(env: dict[str, str], tmp: Path) -> dict[str, Any]:
             "processes": TOGGLE_PROCESSES, "rounds_mismatched": mismatched,
             "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
             "with_us": stats(us["on"]), "without_us": stats(us["off"]),
+            "verdicts": dict(verdicts), "drains_unaudited": unaudited,
             "self_time": breakdown}
 
 
@@ -467,6 +504,13 @@ def main() -> None:
         for k in us:
             us[k] += pair_us[k]
     toggle = measure_toggle(same, tmp)
+    # The same with the opt-in checkpoint pace: what it buys on a workload that drains
+    # every round (not the defaults).
+    paced = measure_toggle(same | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
+                           tmp, self_time=False)
+    print(f"same engine, checkpoint pace {PACED_INTERVAL} s: {paced['mean_ratio']:.4f} +- "
+          f"{paced['interval_half']:.4f}; drains let go {paced['drains_unaudited']}, "
+          f"verdicts {paced['verdicts']}")
     print(f"same engine, hooks in/out: {toggle['mean_ratio']:.4f} +- "
           f"{toggle['interval_half']:.4f} over {toggle['rounds']} rounds "
           f"({toggle['rounds_mismatched']} with different work); kvguard's own time "
@@ -503,7 +547,8 @@ def main() -> None:
         "gc_share_of_time": {k: gc_us[k] / sum(us[k]) for k in us}, "gc_collections": gc_n,
         "pair_mean_ratio": pair_mean,
         "pair_interval_half": pair_half, "target_mean_ratio": 1.02, "events": events,
-        "vllm_on": vllm["on"], "vllm_off": vllm["off"], "toggle": toggle})
+        "vllm_on": vllm["on"], "vllm_off": vllm["off"], "toggle": toggle,
+        "toggle_paced": paced | {"interval_seconds": float(PACED_INTERVAL)}})
 
 
 if __name__ == "__main__":

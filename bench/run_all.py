@@ -123,7 +123,7 @@ def _step_mix_rows() -> list[str]:
         verdict = ok(mean <= target)
     if not same:
         verdict = "**not comparable** (the sides took different steps)"
-    return [*_toggle_row(d, target),
+    return [*_toggle_row(d, target), *_paced_row(d, target),
         f"| 8 | scheduler time per step <= 1.02x (mean), every step counted, prefix hits, "
         f"preemption, aborts, spec decode | {measured} ({w['mean']:.0f} "
         f"vs {wo['mean']:.0f} us, {d['rounds']} rounds of {w['n'] / d['rounds']:.0f} steps, "
@@ -147,7 +147,7 @@ def _toggle_row(d: dict[str, Any], target: float) -> list[str]:
     mean, half = t["mean_ratio"], t["interval_half"]
     verdict = ("**pass**" if mean + half <= target else "**miss**" if mean - half > target
                else f"**not resolved** (interval +-{100 * half:.1f} %)")
-    leaks = t.get("self_time", {}).get("verdicts", {}).get("leak", 0)
+    leaks = _verdicts(t).get("leak", 0)
     if leaks:
         verdict = f"**not valid** ({leaks} drained checkpoint(s) said leak: records broken)"
     if t["rounds_mismatched"]:
@@ -161,10 +161,41 @@ def _toggle_row(d: dict[str, Any], target: float) -> list[str]:
         + ", ".join(f"{x:.3f}" for x in t["per_process_mean_ratio"])
         + f"; every round pair did the same steps and vLLM counted the same work: "
         f"{'yes' if not t['rounds_mismatched'] else 'no'}; kvguard's drained verdicts "
-        + ", ".join(f"{k} {n}" for k, n in sorted(
-            t.get("self_time", {}).get("verdicts", {}).items()))
+        + ", ".join(f"{k} {n}" for k, n in sorted(_verdicts(t).items()))
         + f"); {w['mean']:.0f} vs "
         f"{wo['mean']:.0f} us; medians {t['median_ratio']:.3f}x | {verdict} |"]
+
+
+def _verdicts(t: dict[str, Any]) -> dict[str, int]:
+    """What kvguard's drained audits said in a toggle measurement (older results: only
+    the self-time process's)."""
+    v = t.get("verdicts") or t.get("self_time", {}).get("verdicts", {})
+    return dict(v)
+
+
+def _paced_row(d: dict[str, Any], target: float) -> list[str]:
+    """Target 8 on one engine with the opt-in checkpoint pace: measured, not the target's
+    verdict (the target is for the defaults)."""
+    t = d.get("toggle_paced")
+    if not t:
+        return []
+    mean, half = t["mean_ratio"], t["interval_half"]
+    v = _verdicts(t)
+    valid = not v.get("leak", 0) and not t["rounds_mismatched"]
+    return [
+        f"| 8 | the same on one engine, with the opt-in checkpoint pace "
+        f"(`KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS={t.get('interval_seconds', 1):g}`: 4 "
+        f"drained audits, then one per interval; every round of 1-2 s drains) | mean of "
+        f"per-round ratios **{mean:.3f}x** +- "
+        f"{half:.3f} (95 %, {t['rounds']} rounds); drains audited "
+        + ", ".join(f"{k} {n}" for k, n in sorted(v.items()))
+        + f", let go {t['drains_unaudited']} (what they owed was audited at a later drain or "
+        f"admission the pace allowed, inside the timed steps) | "
+        + ("measured (opt-in: the target is for the defaults; "
+           + ("within it" if mean + half <= target else "beyond it" if mean - half > target
+              else "not resolved") + ")" if valid else "**not valid** (a leak verdict or "
+           "different work)")
+        + " |"]
 
 
 def _self_time_lines() -> list[str]:
@@ -344,7 +375,16 @@ def render() -> str:
               "checkpoint that takes 0.6 ms timed in a loop takes 2-5 ms in the step "
               "that drains. What is left is the price of about 100 Python calls per step "
               "on a 1-2 ms Python scheduler step; 1.02x would need the events from vLLM "
-              "itself, batched per step.",
+              "itself, batched per step. Since 2026-12-02 10:10 UTC a step's time also "
+              "includes the add_request calls before it (kvguard's admission hook, and an "
+              "audit the opt-in checkpoint pace owes, run there); that run was at a noisier "
+              "hour on this VM (intervals two to four times wider than at 07:12, the "
+              "same-engine throughput 12.6k instead of 15.4k tokens/s), so the one-engine "
+              "ratio moved within noise (1.096x +- 0.056). The clocked self time is the "
+              "steadier number: 111.6 us per step against 931 us of engine scheduler time "
+              "(12.0 %; 149.5 us, 16.0 %, at 07:12). The pace row shows what the opt-in "
+              "pace buys here: the drained audit is about 2 % of this mix's time, so "
+              "letting 15 of 25 drains go is below the noise.",
               "",
               "Target 7: the same-engine rows take kvguard's hooks in and out of one "
               "engine per repetition, so no process bias is left in them (the two-process "

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 from _pool import Harness, RefAdapter
+from _sinks import AskOnce, ListSink
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_session import AskOnce, ListSink
 
 from kvguard.config import ConfigError, KvguardConfig
 from kvguard.core.pacing import CheckpointPacer

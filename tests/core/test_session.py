@@ -12,39 +12,12 @@ import gc
 import time
 
 from _pool import Harness, RefAdapter
+from _sinks import AskOnce, ListSink
 
 from kvguard import EngineAdapter
 from kvguard.config import KvguardConfig
 from kvguard.core.session import GuardSession
-from kvguard.core.state import EngineState
 from kvguard.core.types import Evidence, FinishReason, LeakCause, LeakPath, Verdict
-
-
-class ListSink:
-    """Keeps every offered state (a state file would keep the last)."""
-
-    def __init__(self) -> None:
-        self.states: list[EngineState] = []
-        self.closed = False
-
-    @property
-    def drops(self) -> int:
-        return 0
-
-    def offer(self, state: EngineState) -> None:
-        self.states.append(state)
-
-    def close(self) -> None:
-        self.closed = True
-
-
-class AskOnce:
-    def __init__(self) -> None:
-        self.asked = False
-
-    def poll(self) -> bool:
-        asked, self.asked = self.asked, False
-        return asked
 
 
 def _session(h: Harness, **config: object) -> tuple[GuardSession, ListSink]:

@@ -266,6 +266,10 @@ def toggle_worker() -> None:
     samples: list[int] = []
     tags: list[str] = []
 
+    def verdicts() -> dict[str, int]:
+        """kvguard's reports so far, by verdict."""
+        return dict(collections.Counter(r.verdict.value for r in h.guard.reports))
+
     def set_mode(on: bool) -> None:
         set_hooks(hooks, on)  # schedule and update_from_output among them
         timed(sched, samples, tags, h.guard if on else None)
@@ -277,17 +281,14 @@ def toggle_worker() -> None:
     for line in sys.stdin:
         words = line.split()
         if words[0] == "verdicts":  # what kvguard's drained audits said, and let go
-            reply({"verdicts": dict(collections.Counter(r.verdict.value
-                                                        for r in h.guard.reports)),
-                   "drains_unaudited": h.guard.pacer.drains_unaudited})
+            reply({"verdicts": verdicts(), "drains_unaudited": h.guard.pacer.drains_unaudited})
             continue
         if words[0] == "selftime":
             set_mode(True)
             out = self_time(h, hooks, int(words[1]))
             # Taking the hooks out between drained rounds must leave kvguard's records
             # true: every drained checkpoint of the hooked rounds is clean or saturated.
-            out["verdicts"] = dict(collections.Counter(r.verdict.value
-                                                       for r in h.guard.reports))
+            out["verdicts"] = verdicts()
             reply(out)
             continue
         set_mode(words[2] == "on")

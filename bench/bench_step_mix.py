@@ -57,7 +57,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from common import Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
@@ -117,6 +117,21 @@ def _clocked(fn: Any, done: Any) -> Any:
             done(time.perf_counter_ns() - t)
             GC_IN_STEPS["in_step"] = 0
     return run
+
+
+MODES: Final = ("on", "off", "bare")
+"""How a toggle round runs: kvguard's hooks (``on``), the engine's own methods (``off``),
+or a :func:`passthrough` wrapper on each method kvguard hooks (``bare``)."""
+
+
+def passthrough(orig: Any) -> Any:
+    """A wrapper of a kvguard hook's shape (a Python frame around the engine's call; a
+    hook's ``try`` costs nothing on CPython 3.11 unless it raises) that does no work: with
+    one on every method kvguard hooks, a step pays the interception alone, and kvguard's
+    hooks pay it plus their work."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return orig(*args, **kwargs)
+    return wrapper
 
 
 def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
@@ -257,9 +272,10 @@ def worker(enabled: str) -> None:
 
 
 def toggle_worker() -> None:
-    """One engine with kvguard; each round runs with its hooks in place or taken out (the
-    engine's own methods back), as the driver asks: ``run SEED on|off``. The same engine,
-    process and memory on both sides, so the ratio carries no process or engine bias.
+    """One engine with kvguard; each round runs with its hooks in place, taken out (the
+    engine's own methods back), or replaced by :func:`passthrough` wrappers, as the driver
+    asks: ``run SEED on|off|bare``. The same engine, process and memory on every side, so
+    the ratios carry no process or engine bias.
     ``selftime ROUNDS``: kvguard's own time per hook, from clocks at every hook boundary."""
     h, sched = _build_engine_on()
     hooks = kvguard_hooks(h.scheduler)
@@ -270,13 +286,16 @@ def toggle_worker() -> None:
         """kvguard's reports so far, by verdict."""
         return dict(collections.Counter(r.verdict.value for r in h.guard.reports))
 
-    def set_mode(on: bool) -> None:
-        set_hooks(hooks, on)  # schedule and update_from_output among them
-        timed(sched, samples, tags, h.guard if on else None)
+    def set_mode(mode: str) -> None:
+        set_hooks(hooks, mode == "on")  # schedule and update_from_output among them
+        if mode == "bare":
+            for obj, name, _ in hooks:
+                setattr(obj, name, passthrough(getattr(type(obj), name).__get__(obj)))
+        timed(sched, samples, tags, h.guard if mode == "on" else None)
 
-    for on in (True, False):
-        set_mode(on)
-        run_round(h, 0)  # warm-up, both ways
+    for mode in MODES:
+        set_mode(mode)
+        run_round(h, 0)  # warm-up, every way
     reply("ready")
     for line in sys.stdin:
         words = line.split()
@@ -284,14 +303,14 @@ def toggle_worker() -> None:
             reply({"verdicts": verdicts(), "drains_unaudited": h.guard.pacer.drains_unaudited})
             continue
         if words[0] == "selftime":
-            set_mode(True)
+            set_mode("on")
             out = self_time(h, hooks, int(words[1]))
             # Taking the hooks out between drained rounds must leave kvguard's records
             # true: every drained checkpoint of the hooked rounds is clean or saturated.
             out["verdicts"] = verdicts()
             reply(out)
             continue
-        set_mode(words[2] == "on")
+        set_mode(words[2])
         samples.clear()
         tags.clear()
         # Both modes run each seed from the same pool state: an empty prefix cache (else
@@ -404,13 +423,19 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
     return sides
 
 
-def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True) -> dict[str, Any]:
+def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
+                   floor: bool = False) -> dict[str, Any]:
     """The same engine with kvguard's hooks in and out, per round (ABBA), in
     ``TOGGLE_PROCESSES`` processes; then kvguard's own time per hook in the first one
-    (``self_time``), and what its drained audits said in each."""
+    (``self_time``), and what its drained audits said in each. ``floor``: each round also
+    runs with :func:`passthrough` wrappers (ABC, CBA), which splits the ratio into the
+    interception's (bare / off) and kvguard's work's (on / bare)."""
+    modes = ("on", "bare", "off") if floor else ("on", "off")
     per_round: list[float] = []
+    per_round_bare: list[float] = []
+    per_round_work: list[float] = []
     per_process: list[float] = []
-    us: dict[str, list[float]] = {"on": [], "off": []}
+    us: dict[str, list[float]] = {m: [] for m in modes}
     mismatched = 0
     breakdown: dict[str, Any] = {}
     verdicts: collections.Counter[str] = collections.Counter()
@@ -418,20 +443,23 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True) ->
     for p in range(TOGGLE_PROCESSES):
         w = Worker(__file__, ["toggle"], env, tmp / f"toggle-{p}.log")
         try:
-            mine: dict[str, list[float]] = {"on": [], "off": []}
+            mine: dict[str, list[float]] = {m: [] for m in modes}
             for r in range(1, TOGGLE_ROUNDS + 1):
                 seed = 500 + p * TOGGLE_ROUNDS + r
                 got: dict[str, dict[str, Any]] = {}
-                for k in (("on", "off") if r % 2 else ("off", "on")):
+                for k in (modes if r % 2 else modes[::-1]):
                     out = w.ask(f"run {seed} {k}")
                     assert isinstance(out, dict)
                     got[k] = out
                     mine[k] += out["us"]
-                if len(got["on"]["us"]) != len(got["off"]["us"]) \
-                        or got["on"]["vllm"] != got["off"]["vllm"]:
+                if any(len(got[k]["us"]) != len(got["off"]["us"])
+                       or got[k]["vllm"] != got["off"]["vllm"] for k in modes):
                     mismatched += 1
-                per_round.append(statistics.fmean(got["on"]["us"])
-                                 / statistics.fmean(got["off"]["us"]))
+                mean_of = {k: statistics.fmean(got[k]["us"]) for k in modes}
+                per_round.append(mean_of["on"] / mean_of["off"])
+                if floor:
+                    per_round_bare.append(mean_of["bare"] / mean_of["off"])
+                    per_round_work.append(mean_of["on"] / mean_of["bare"])
             per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
             for k in us:
                 us[k] += mine[k]
@@ -446,13 +474,21 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True) ->
         finally:
             w.close()
     mean, half = t_interval(per_round)
-    return {"per_round_mean_ratio": per_round, "per_process_mean_ratio": per_process,
-            "mean_ratio": mean, "interval_half": half, "rounds": len(per_round),
-            "processes": TOGGLE_PROCESSES, "rounds_mismatched": mismatched,
-            "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
-            "with_us": stats(us["on"]), "without_us": stats(us["off"]),
-            "verdicts": dict(verdicts), "drains_unaudited": unaudited,
-            "self_time": breakdown}
+    out = {"per_round_mean_ratio": per_round, "per_process_mean_ratio": per_process,
+           "mean_ratio": mean, "interval_half": half, "rounds": len(per_round),
+           "processes": TOGGLE_PROCESSES, "rounds_mismatched": mismatched,
+           "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
+           "with_us": stats(us["on"]), "without_us": stats(us["off"]),
+           "verdicts": dict(verdicts), "drains_unaudited": unaudited,
+           "self_time": breakdown}
+    if floor:
+        bare_mean, bare_half = t_interval(per_round_bare)
+        work_mean, work_half = t_interval(per_round_work)
+        out["floor"] = {"bare_mean_ratio": bare_mean, "bare_interval_half": bare_half,
+                        "work_mean_ratio": work_mean, "work_interval_half": work_half,
+                        "per_round_bare_ratio": per_round_bare,
+                        "per_round_work_ratio": per_round_work, "bare_us": stats(us["bare"])}
+    return out
 
 
 def main() -> None:
@@ -504,7 +540,7 @@ def main() -> None:
         per_pair.append(statistics.fmean(pair_us["on"]) / statistics.fmean(pair_us["off"]))
         for k in us:
             us[k] += pair_us[k]
-    toggle = measure_toggle(same, tmp)
+    toggle = measure_toggle(same, tmp, floor=True)
     # The same with the opt-in checkpoint pace: what it buys on a workload that drains
     # every round (not the defaults).
     paced = measure_toggle(same | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
@@ -561,7 +597,8 @@ if __name__ == "__main__":
         os.environ.setdefault("VLLM_PLUGINS", "kvguard")
         result = measure_toggle({"PYTHONHASHSEED": "0",
                                  "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
-                                Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")))
+                                Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")),
+                                floor=True)
         print(json.dumps(result, indent=1))
     else:
         main()

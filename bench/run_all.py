@@ -123,7 +123,7 @@ def _step_mix_rows() -> list[str]:
         verdict = ok(mean <= target)
     if not same:
         verdict = "**not comparable** (the sides took different steps)"
-    return [*_toggle_row(d, target), *_paced_row(d, target),
+    return [*_toggle_row(d, target), *_floor_row(d, target), *_paced_row(d, target),
         f"| 8 | scheduler time per step <= 1.02x (mean), every step counted, prefix hits, "
         f"preemption, aborts, spec decode | {measured} ({w['mean']:.0f} "
         f"vs {wo['mean']:.0f} us, {d['rounds']} rounds of {w['n'] / d['rounds']:.0f} steps, "
@@ -164,6 +164,27 @@ def _toggle_row(d: dict[str, Any], target: float) -> list[str]:
         + ", ".join(f"{k} {n}" for k, n in sorted(_verdicts(t).items()))
         + f"); {w['mean']:.0f} vs "
         f"{wo['mean']:.0f} us; medians {t['median_ratio']:.3f}x | {verdict} |"]
+
+
+def _floor_row(d: dict[str, Any], target: float) -> list[str]:
+    """Target 8's one-engine ratio split: the interception alone (pass-through wrappers on
+    every method kvguard hooks) and kvguard's work on top of it. Measured, no target."""
+    t = d.get("toggle") or {}
+    f = t.get("floor")
+    if not f:
+        return []
+    bare, bare_half = f["bare_mean_ratio"], f["bare_interval_half"]
+    work, work_half = f["work_mean_ratio"], f["work_interval_half"]
+    floor_says = ("within it" if bare + bare_half <= target else "beyond it"
+                  if bare - bare_half > target else "not resolved")
+    return [
+        f"| 8 | the same rounds split: the interception alone (a pass-through wrapper on "
+        f"each method kvguard hooks, no work) and kvguard's work on top of it | interception "
+        f"(pass-through / off) **{bare:.3f}x** +- {bare_half:.3f}; work (kvguard / "
+        f"pass-through) **{work:.3f}x** +- {work_half:.3f} (95 %, {t['rounds']} rounds, "
+        f"each mode in turn, ABC then CBA); {f['bare_us']['mean']:.0f} us per step with "
+        f"pass-through wrappers | measured (the interception alone is {floor_says} the "
+        f"target's {target:.2f}x) |"]
 
 
 def _verdicts(t: dict[str, Any]) -> dict[str, int]:

@@ -80,7 +80,7 @@ COUNTERS = ("vllm:num_preemptions", "vllm:prefix_cache_hits",
 """vLLM's own counts of the work in a round (both sides must show the same)."""
 TOGGLE_PROCESSES = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_PROCESSES", "2"))
 """Processes for the same-engine measurement (hooks in and out per round)."""
-TOGGLE_ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_ROUNDS", "10"))
+TOGGLE_ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_ROUNDS", "16"))
 """Rounds per process and mode, alternating the order (ABBA)."""
 SELF_TIME_ROUNDS = 2
 """Rounds timed at every hook boundary (kvguard's own time per hook), in one process."""

@@ -40,9 +40,12 @@ cache reset before every round so that both modes start from the same pool). Bot
 share the process, the engine and its memory; what the "without" side still carries is
 kvguard's idle objects and its publisher thread asleep. Reported: the mean of the per-round
 ratios with its 95 % interval, and whether any round pair did different work (steps or
-vLLM's counters). Then, in the first process, ``SELF_TIME_ROUNDS`` rounds with a clock at
-every boundary between kvguard and the engine: kvguard's own time per hook and per session
-method, per step: where the ratio comes from.
+vLLM's counters). Each round also runs a third way, with a pass-through wrapper on every
+method kvguard hooks (the same calls intercepted, no work; the three ways in turn, ABC then
+CBA): the ratio splits into the interception's share (pass-through / without) and kvguard's
+work's (with / pass-through). Then, in the first process, ``SELF_TIME_ROUNDS`` rounds with
+a clock at every boundary between kvguard and the engine: kvguard's own time per hook and
+per session method, per step: where the ratio comes from.
 """
 
 from __future__ import annotations

@@ -411,8 +411,10 @@ def render() -> str:
               "kept: the pool events journalled (one `list.append` in each pool hook) and "
               "applied to the ledger at the next lifecycle hook or step end: the same work, "
               "moved, and still cold there (the model step runs between `schedule` and "
-              "`update_from_output`): self time 343 against 279 us per step in back-to-back "
-              "6-round runs (12.9 % against 11.6 % of scheduler time). The pace row shows "
+              "`update_from_output`): self time 343 and 328 against 279 and 318 us per step "
+              "in two back-to-back pairs of 6-round runs, the order reversed in the second "
+              "(12.9 and 13.3 % against 11.6 and 12.2 % of scheduler time). The pace row "
+              "shows "
               "what the opt-in pace buys here: the drained audit is about 2 % of this "
               "mix's time, so letting most drains go is below the noise.",
               "",

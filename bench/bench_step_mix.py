@@ -122,9 +122,10 @@ def _clocked(fn: Any, done: Any) -> Any:
     return run
 
 
-MODES: Final = ("on", "off", "bare")
+MODES: Final = ("on", "bare", "off")
 """How a toggle round runs: kvguard's hooks (``on``), the engine's own methods (``off``),
-or a :func:`passthrough` wrapper on each method kvguard hooks (``bare``)."""
+or a :func:`passthrough` wrapper on each method kvguard hooks (``bare``); a round with all
+three runs them in this order, then reversed."""
 
 
 def passthrough(orig: Any) -> Any:
@@ -433,7 +434,7 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     (``self_time``), and what its drained audits said in each. ``floor``: each round also
     runs with :func:`passthrough` wrappers (ABC, CBA), which splits the ratio into the
     interception's (bare / off) and kvguard's work's (on / bare)."""
-    modes = ("on", "bare", "off") if floor else ("on", "off")
+    modes = MODES if floor else ("on", "off")
     per_round: list[float] = []
     per_round_bare: list[float] = []
     per_round_work: list[float] = []

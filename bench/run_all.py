@@ -97,6 +97,19 @@ def _throughput_rows() -> list[str]:
     return out
 
 
+def _against(mean: float, half: float, target: float) -> str | None:
+    """Where a mean with its 95 % half-width lies against an upper target: "within" (the
+    interval's upper end is), "beyond" (its lower end is past it), or None (not resolved)."""
+    return "within" if mean + half <= target else "beyond" if mean - half > target else None
+
+
+def _interval_verdict(mean: float, half: float, target: float) -> str:
+    """The verdict of a target judged by its interval: pass, miss, or not resolved."""
+    side = _against(mean, half, target)
+    return ("**pass**" if side == "within" else "**miss**" if side == "beyond"
+            else f"**not resolved** (interval +-{100 * half:.1f} %)")
+
+
 def _step_mix_rows() -> list[str]:
     """Target 8: every step counted, a realistic mix; the verdict is the ratio of means."""
     path = HERE / "results" / "step_mix.json"
@@ -116,8 +129,7 @@ def _step_mix_rows() -> list[str]:
         measured = (f"mean over {d['pairs']} process pairs **{mean:.3f}x** +- {half:.3f} "
                     f"(95 %; pairs {', '.join(f'{x:.3f}' for x in d['per_pair_mean_ratio'])}, "
                     f"{d['rounds_per_pair']} rounds each); pooled means {d['mean_ratio']:.3f}x")
-        verdict = ("**pass**" if mean + half <= target else "**miss**" if mean - half > target
-                   else f"**not resolved** (interval +-{100 * half:.1f} %)")
+        verdict = _interval_verdict(mean, half, target)
     else:  # results from before process pairs
         mean, measured = d["mean_ratio"], f"means **{d['mean_ratio']:.3f}x**"
         verdict = ok(mean <= target)
@@ -145,8 +157,7 @@ def _toggle_row(d: dict[str, Any], target: float) -> list[str]:
     if not t:
         return []
     mean, half = t["mean_ratio"], t["interval_half"]
-    verdict = ("**pass**" if mean + half <= target else "**miss**" if mean - half > target
-               else f"**not resolved** (interval +-{100 * half:.1f} %)")
+    verdict = _interval_verdict(mean, half, target)
     leaks = _verdicts(t).get("leak", 0)
     if leaks:
         verdict = f"**not valid** ({leaks} drained checkpoint(s) said leak: records broken)"
@@ -175,16 +186,15 @@ def _floor_row(d: dict[str, Any], target: float) -> list[str]:
         return []
     bare, bare_half = f["bare_mean_ratio"], f["bare_interval_half"]
     work, work_half = f["work_mean_ratio"], f["work_interval_half"]
-    floor_says = ("within it" if bare + bare_half <= target else "beyond it"
-                  if bare - bare_half > target else "not resolved")
+    side = _against(bare, bare_half, target)
     return [
         f"| 8 | the same rounds split: the interception alone (a pass-through wrapper on "
         f"each method kvguard hooks, no work) and kvguard's work on top of it | interception "
         f"(pass-through / off) **{bare:.3f}x** +- {bare_half:.3f}; work (kvguard / "
         f"pass-through) **{work:.3f}x** +- {work_half:.3f} (95 %, {t['rounds']} rounds, "
         f"each mode in turn, ABC then CBA); {f['bare_us']['mean']:.0f} us per step with "
-        f"pass-through wrappers | measured (the interception alone is {floor_says} the "
-        f"target's {target:.2f}x) |"]
+        f"pass-through wrappers | measured (the interception alone is "
+        f"{f'{side} it' if side else 'not resolved against'} the target's {target:.2f}x) |"]
 
 
 def _verdicts(t: dict[str, Any]) -> dict[str, int]:
@@ -213,8 +223,8 @@ def _paced_row(d: dict[str, Any], target: float) -> list[str]:
         + f", let go {t['drains_unaudited']} (what they owed was audited at a later drain or "
         f"admission the pace allowed, inside the timed steps) | "
         + ("measured (opt-in: the target is for the defaults; "
-           + ("within it" if mean + half <= target else "beyond it" if mean - half > target
-              else "not resolved") + ")" if valid else "**not valid** (a leak verdict or "
+           + (f"{side} it" if (side := _against(mean, half, target)) else "not resolved")
+           + ")" if valid else "**not valid** (a leak verdict or "
            "different work)")
         + " |"]
 

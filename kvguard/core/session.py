@@ -171,6 +171,10 @@ class GuardSession:
         self._ledger_errors_seen = 0
         self._checkpoint_requested = False
         self._next_publish = 0.0
+        """When ``on_step_end`` next looks at publishing (monotonic s)."""
+        self._published_at = 0.0
+        """When the last state was offered (monotonic s): a report's publish counts for the
+        interval too, so a step shortly after a drained checkpoint does not offer again."""
         self._next_checkpoint_id = 0
         self._online_key: frozenset[tuple[str, str | None, str, int]] | None = None
         """The findings of the last report (online or drained): online reports only on change."""
@@ -344,10 +348,16 @@ class GuardSession:
             self._online_step()
         now = time.monotonic()
         if now >= self._next_publish:
-            self._next_publish = now + self.config.publish_interval_seconds
+            # At most one interval between the states offered while the engine steps; a
+            # state offered with a report since the last one counts (each is complete).
             if self._requests is not None and self._requests.poll():
                 self._checkpoint_requested = True
-            self.publish()
+            due = self._published_at + self.config.publish_interval_seconds
+            if now >= due:
+                self.publish()
+                self._next_publish = now + self.config.publish_interval_seconds
+            else:
+                self._next_publish = due
 
     # ----------------------------------------------------------- checkpoints
     def request_checkpoint(self) -> None:
@@ -618,6 +628,7 @@ class GuardSession:
 
     def publish(self) -> None:
         with self.contain("publish"):
+            self._published_at = time.monotonic()
             self.publisher.offer(self.state())
 
     def close(self) -> None:

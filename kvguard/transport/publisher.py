@@ -1,7 +1,9 @@
 """Engine side: hand the latest state to a writer thread; never wait.
 
 The engine thread calls ``offer(state)``, which swaps one reference under a
-lock held for a few instructions and sets an event. A daemon thread writes
+lock held for a few instructions and, when the writer has nothing pending, wakes it
+with one C-level queue put (``queue.SimpleQueue``: cheaper on the engine thread than
+``threading.Event.set``, which takes a Python-level condition and notifies its waiters). A daemon thread writes
 the newest state atomically (temp file + ``os.replace``; each checkpoint report is
 serialized once, :mod:`kvguard.transport.encoding`) to
 ``<run_dir>/<engine>.json`` with mode 0600 in a 0700 directory. If the writer
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from pathlib import Path
@@ -41,7 +44,8 @@ class StatePublisher:
         self._run_dir = run_dir
         self._lock = threading.Lock()
         self._pending: EngineState | None = None
-        self._wake = threading.Event()
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        """One token per wake-up: put when a state becomes pending (or at close)."""
         self._stop = False
         self._writing = False
         self.drops = 0
@@ -55,10 +59,12 @@ class StatePublisher:
 
     def offer(self, state: EngineState) -> None:
         with self._lock:
-            if self._pending is not None:
-                self.drops += 1
+            replaced = self._pending is not None
+            if replaced:
+                self.drops += 1  # the writer is already woken for the state it replaced
             self._pending = state
-        self._wake.set()
+        if not replaced:
+            self._wake.put(None)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the newest offered state is on disk (tests and shutdown only)."""
@@ -72,12 +78,15 @@ class StatePublisher:
 
     def close(self) -> None:
         self._stop = True
-        self._wake.set()
+        self._wake.put(None)
 
     def _run(self) -> None:
         while not self._stop:
-            woke = self._wake.wait(self.heartbeat_seconds)
-            self._wake.clear()
+            try:
+                self._wake.get(timeout=self.heartbeat_seconds)
+                woke = True
+            except queue.Empty:
+                woke = False
             with self._lock:
                 state, self._pending = self._pending, None
                 if state is None and not woke and self._last is not None:

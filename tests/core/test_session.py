@@ -163,3 +163,37 @@ def test_events_feed_the_ledger_and_the_drain_estimate() -> None:
     assert s.ledger.unattributed_refs(3) == 1
     assert s.ledger.record(rid) is None  # finished, holds nothing: compacted
     assert s.drain_pending
+
+
+def test_a_report_offered_counts_for_the_publish_interval_and_asks_are_still_polled(
+        monkeypatch) -> None:
+    """While the engine steps, a state goes out at least once per interval, and a state
+    offered with a drained report counts: a step soon after it offers nothing again (an
+    engine that drains often would otherwise build and write two states per drain). The
+    sidecar's asks are polled on the interval's clock whatever was published."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    h = Harness(64, lazy_claims=True)
+    sink, asks = ListSink(), AskOnce()
+    cfg = KvguardConfig.from_env({}, publish_interval_seconds=1.0, online_audit=False)
+    s = GuardSession(RefAdapter(h), cfg, engine="ref0", sink=sink, requests=asks)
+    h.ledger = s.ledger
+    s.on_step_end()
+    assert len(sink.states) == 1  # the first step publishes
+    clock[0] += 0.5
+    s.checkpoint_now()  # drained: its report is offered at once
+    assert len(sink.states) == 2 and sink.states[-1].latest_report == s.reports[-1]
+    clock[0] += 0.6  # 1.1 s after the first state, 0.6 s after the report's
+    asks.asked = True
+    s.on_step_end()
+    assert len(sink.states) == 2, "the report's state is fresh: not offered again"
+    n_reports = len(s.reports)
+    s.on_step_end()  # the ask polled at the last step is served now (drained)
+    assert len(s.reports) == n_reports + 1, "the ask was polled all the same"
+    assert len(sink.states) == 3 and sink.states[-1].latest_report == s.reports[-1]
+    clock[0] += 0.9  # 0.9 s after that report's state: not due
+    s.on_step_end()
+    assert len(sink.states) == 3
+    clock[0] += 0.15  # 1.05 s after it: due, with no new report
+    s.on_step_end()
+    assert len(sink.states) == 4 and len(s.reports) == n_reports + 1

@@ -95,6 +95,9 @@ class HostBackend(Protocol):
     platform: str
     """``sys.platform``: ``linux``, ``darwin``, ..."""
 
+    page_size: int
+    """Bytes per memory page (``/proc/<pid>/statm`` counts pages)."""
+
     def read_text(self, path: str) -> str | None:
         """A small procfs file (``/proc/meminfo``, ``/proc/self/status``), or None."""
         ...
@@ -237,6 +240,7 @@ class SystemHost:
 
     def __init__(self) -> None:
         self.platform = sys.platform
+        self.page_size = _page_size()
 
     def read_text(self, path: str) -> str | None:
         # os-level, not open(): no buffered text wrapper for one small procfs read (it
@@ -306,3 +310,11 @@ class TorchMemoryHistory:
     def dump(self, path: str) -> None:
         self._memory._dump_snapshot(path)
         os.chmod(path, 0o600)
+
+
+def _page_size() -> int:
+    """This machine's memory page size in bytes (4096 where it cannot be asked)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - no sysconf
+        return 4096

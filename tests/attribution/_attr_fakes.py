@@ -190,6 +190,7 @@ class FakeHost:
     """A ``HostBackend`` serving recorded procfs / sysctl text."""
 
     platform: str = "linux"
+    page_size: int = 4096
     files: dict[str, str] = field(default_factory=lambda: {
         "/proc/meminfo": LINUX_MEMINFO, "/proc/self/status": LINUX_STATUS})
     sysctls: dict[str, str] = field(default_factory=dict)

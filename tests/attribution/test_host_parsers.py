@@ -14,6 +14,7 @@ from kvguard.attribution.host import (
     parse_meminfo,
     parse_vm_swapusage,
     read_host,
+    statm_rss_bytes,
 )
 
 
@@ -106,6 +107,26 @@ def test_read_host_linux_from_procfs_text() -> None:
     assert h.mem_available_bytes == 41234560 * 1024
     assert h.rss_peak_bytes == 3 * GiB
     assert h.unavailable == []
+
+
+def test_statm_gives_resident_pages_times_the_page_size() -> None:
+    assert statm_rss_bytes("466174 147773 36524 1 0 255906 0\n", 4096) == 147773 * 4096
+    assert statm_rss_bytes("466174 147773 36524 1 0 255906 0\n", 16384) == 147773 * 16384
+    for bad in ("", "466174", "466174 x 1", "466174 -5 1"):
+        assert statm_rss_bytes(bad, 4096) is None
+    assert statm_rss_bytes("1 2 3", 0) is None
+
+
+def test_read_host_prefers_statm_and_falls_back_to_status() -> None:
+    host = FakeHost()
+    host.files["/proc/self/statm"] = f"900000 {3 * GiB // 4096} 1000 1 0 2000 0\n"
+    assert read_host(host).rss_bytes == 3 * GiB  # statm, not status's 2 GiB
+    host.files["/proc/self/statm"] = "garbled"
+    assert read_host(host).rss_bytes == 2 * GiB  # status's VmRSS
+    host.children = {41: 0}
+    host.files["/proc/41/statm"] = f"10 {GiB // 4096} 0 0 0 0 0\n"
+    h = read_host(host, include_children=True)
+    assert (h.child_processes, h.child_processes_rss_bytes) == (1, GiB)
 
 
 def test_read_host_macos_from_sysctl_and_psutil() -> None:

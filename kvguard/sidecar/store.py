@@ -64,10 +64,19 @@ class EngineView:
     """(mtime_ns, size) of the state file last parsed: unchanged files are not re-read."""
     epochs_seen: list[str] = field(default_factory=list)
     """Epochs of this engine in the order they appeared; the last is ``state.epoch``."""
+    judged_trend: Trend | None = field(default=None, repr=False, compare=False)
+    """``trend`` as last computed; None once ``state`` or ``history`` changed (the store
+    clears it whenever it merges a state: the only writer of both)."""
 
     @property
     def trend(self) -> Trend:
-        return trend([r for r in self.history if r.epoch == self.state.epoch])
+        """The trend over this epoch's history (computed once per merged state: every
+        scrape and report asks for it, and it reads the whole history)."""
+        t = self.judged_trend
+        if t is None:
+            t = self.judged_trend = trend([r for r in self.history
+                                           if r.epoch == self.state.epoch])
+        return t
 
     @property
     def restarts(self) -> int:
@@ -147,6 +156,7 @@ class EngineStore:
                 seen.add((r.epoch, r.checkpoint_id))
         view.state = state
         view.file_key = key
+        view.judged_trend = None
 
     def _check_order(self, view: EngineView, state: EngineState) -> None:
         """Raise ``ProtocolError`` for a state older than the one already read."""

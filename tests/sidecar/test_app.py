@@ -15,6 +15,7 @@ from kvguard.core.trend import TrendVerdict
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.store import EngineStore
 from kvguard.transport.control import request_path
+from kvguard.transport.publisher import state_path
 
 CONTRACT = {
     "kvguard_pool_capacity_blocks": "gauge", "kvguard_pool_blocks": "gauge",
@@ -83,6 +84,25 @@ def test_growing_holders_over_checkpoints_is_a_growing_leak(tmp_path: Path) -> N
         [eng] = c.get("/v1/report").json()["engines"]
         assert eng["trend"]["verdict"] == TrendVerdict.LEAK_GROWING
         assert eng["trend"]["holding_series"] == [0, 1, 2, 3]
+        assert _metrics(c)["kvguard_leak_trend"][0][1] == 1.0
+
+
+def test_the_trend_follows_each_new_state_of_an_engine(tmp_path: Path) -> None:
+    """The store computes an engine's trend once per state it merges (every scrape asks
+    for it): a state that arrives later must change what scrapes and reports say."""
+    reports = [report(i, cached=c) for i, c in enumerate([20, 45, 60, 61], 1)]
+    store = EngineStore(tmp_path)
+    write(tmp_path, state(reports, updated_at=100.0))
+    store.refresh()
+    assert store.engines["dp0"].trend.verdict == TrendVerdict.SATURATED
+    assert store.engines["dp0"].trend is store.engines["dp0"].trend  # computed once
+    reports += [report(i, holding=h) for i, h in zip(range(5, 8), [1, 2, 3], strict=True)]
+    write(tmp_path, state(reports, updated_at=101.0))
+    os.utime(state_path(tmp_path, "dp0"), ns=(1, 2))  # a new file version whatever the clock
+    store.refresh()
+    t = store.engines["dp0"].trend
+    assert t.verdict == TrendVerdict.LEAK_GROWING and t.holding_series[-3:] == (1, 2, 3)
+    with TestClient(create_app(store, poll_interval_seconds=3600)) as c:
         assert _metrics(c)["kvguard_leak_trend"][0][1] == 1.0
 
 

@@ -160,7 +160,8 @@ def read_host(host: HostBackend, *, include_children: bool = False) -> HostRepor
         rss = host.process_rss_bytes()
         unavailable.append(f"swap, mem_available: no probe for platform {host.platform}")
     if rss is None:
-        unavailable.append("rss: not readable (no /proc/self/statm or status, psutil not installed)")
+        unavailable.append("rss: not readable (no /proc/self/statm or status, psutil not "
+                           "installed)")
     if swap_used is None and not any(u.startswith("swap") for u in unavailable):
         unavailable.append("swap: not readable")
     if available is None and not any("mem_available" in u for u in unavailable):

@@ -3,9 +3,9 @@
 The engine thread calls ``offer(state)``, which swaps one reference under a
 lock held for a few instructions and, when the writer has nothing pending, wakes it
 with one C-level queue put (``queue.SimpleQueue``: cheaper on the engine thread than
-``threading.Event.set``, which takes a Python-level condition and notifies its waiters). A daemon thread writes
-the newest state atomically (temp file + ``os.replace``; each checkpoint report is
-serialized once, :mod:`kvguard.transport.encoding`) to
+``threading.Event.set``, which takes a Python-level condition and notifies its waiters).
+A daemon thread writes the newest state atomically (temp file + ``os.replace``; each
+checkpoint report is serialized once, :mod:`kvguard.transport.encoding`) to
 ``<run_dir>/<engine>.json`` with mode 0600 in a 0700 directory. If the writer
 is slower than the engine, intermediate states are dropped (counted in
 ``drops``): only the newest state matters because each one is complete.

@@ -3,8 +3,8 @@
 Linux: ``/proc/self/statm`` (resident pages; ``/proc/self/status``'s ``VmRSS`` where
 statm cannot be read: the same kernel counter, but status renders about 50 fields: 13
 against 5.5 us a read warm, 95 against 76 us in the step a drained checkpoint runs in,
-on the engine thread; measured 2026-12-03) and ``/proc/meminfo`` (swap used = ``SwapTotal - SwapFree``,
-``MemAvailable``). macOS: ``sysctl vm.swapusage``
+on the engine thread; measured 2026-12-03) and ``/proc/meminfo`` (swap used =
+``SwapTotal - SwapFree``, ``MemAvailable``). macOS: ``sysctl vm.swapusage``
 (swap), ``kern.memorystatus_level`` x ``hw.memsize`` (free memory, the
 percentage macOS's own memory guard uses) and RSS through ``psutil`` when it
 is installed. On unified memory the process footprint can look small while

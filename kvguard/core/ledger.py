@@ -54,6 +54,12 @@ _WAITING: Final = RequestPhase.WAITING
 _RUNNING: Final = RequestPhase.RUNNING
 _PREEMPTED: Final = RequestPhase.PREEMPTED
 _FINISHED: Final = RequestPhase.FINISHED
+_CODE_KIND: Final = tuple(AcquireKind)
+_KIND_CODE: Final = {k: i for i, k in enumerate(_CODE_KIND)}
+"""``AcquireKind`` <-> the low bit of an unattributed tag (``_unattributed_tag``)."""
+if len(_CODE_KIND) > 2:
+    raise RuntimeError("OwnershipLedger tags an unattributed acquisition's kind in one bit: "
+                       "widen the tag (_unattributed_tag) for a third AcquireKind")
 
 
 @dataclass(slots=True)
@@ -157,8 +163,10 @@ class OwnershipLedger:
         """The blocks whose ``_owners`` value is a dict (for audits: everything else is one
         request holding one reference)."""
         self._unattributed: dict[BlockId, int] = {}
-        self._unattributed_kind: dict[BlockId, AcquireKind] = {}
-        self._unattributed_serial: dict[BlockId, int] = {}
+        self._unattributed_tag: dict[BlockId, int] = {}
+        """Block -> its latest unattributed acquisition: ``serial << 1 | kind code``
+        (``_KIND_CODE``). One dict for both: each such block costs one write when taken and
+        one removal when claimed, on the hook path, instead of two."""
         self.double_frees: deque[DoubleFreeEvent] = deque(maxlen=DOUBLE_FREE_HISTORY)
 
     @property
@@ -216,7 +224,8 @@ class OwnershipLedger:
         return self._unattributed.get(block_id, 0)
 
     def unattributed_kind(self, block_id: BlockId) -> AcquireKind | None:
-        return self._unattributed_kind.get(block_id)
+        tag = self._unattributed_tag.get(block_id)
+        return None if tag is None else _CODE_KIND[tag & 1]
 
     def unattributed_serial(self, block_id: BlockId) -> int:
         """Which pool call took the block's latest unattributed reference (0: none).
@@ -224,7 +233,7 @@ class OwnershipLedger:
         Serials grow with every unattributed acquisition, so a block freed and taken
         again between two audits never shows the same serial twice: the online audit
         uses it to tell a reference nobody claimed from a new one."""
-        return self._unattributed_serial.get(block_id, 0)
+        return self._unattributed_tag.get(block_id, 0) >> 1
 
     @property
     def num_records(self) -> int:
@@ -335,16 +344,14 @@ class OwnershipLedger:
         nulls = self._null_blocks
         if request_id is None:
             self._serial += 1
-            serial = self._serial
+            tag = self._serial << 1 | _KIND_CODE[kind]
             unattributed = self._unattributed
-            kinds = self._unattributed_kind
-            serials = self._unattributed_serial
+            tags = self._unattributed_tag
             for bid in cast(Iterable[BlockId], block_ids):
                 if bid in nulls:
                     continue
                 unattributed[bid] = unattributed.get(bid, 0) + 1
-                kinds[bid] = kind
-                serials[bid] = serial
+                tags[bid] = tag
             return
         rec = self._records.get(request_id) or self._ensure(request_id)
         phase = rec.phase
@@ -392,8 +399,7 @@ class OwnershipLedger:
             n = unattributed.get(bid, 0)
             if n == 1:  # the common case: the one reference an allocation left unnamed
                 del unattributed[bid]
-                self._unattributed_kind.pop(bid, None)
-                self._unattributed_serial.pop(bid, None)
+                self._unattributed_tag.pop(bid, None)
             elif n:  # a prefix shared before any claim: one of several, still unnamed
                 unattributed[bid] = n - 1
             if bid in owners:
@@ -517,8 +523,7 @@ class OwnershipLedger:
             self._unattributed[bid] = n
         else:
             del self._unattributed[bid]
-            self._unattributed_kind.pop(bid, None)
-            self._unattributed_serial.pop(bid, None)
+            self._unattributed_tag.pop(bid, None)
 
     @staticmethod
     def _release_rank(rec: RequestRecord) -> tuple[int, float]:

@@ -49,22 +49,32 @@ def _drain_view(d: DrainPrediction | None) -> DrainView | None:
 
 def create_app(store: EngineStore, *, control_token: str | None = None,
                poll_interval_seconds: float = 0.5) -> FastAPI:
-    """Build the app. ``store`` is refreshed every ``poll_interval_seconds`` while it runs."""
+    """Build the app. ``store`` is read once at start-up, before any request is
+    served, then refreshed every ``poll_interval_seconds`` while it runs."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async def poll() -> None:
-            failed = False
-            while True:
-                try:
-                    await asyncio.to_thread(store.refresh)
-                except Exception as exc:  # the refresh task must outlive any bad input
-                    if not failed:
-                        _log.error("kvguard sidecar: refresh failed (%s); retrying", exc,
-                                   exc_info=exc)
-                    failed = True
-                await asyncio.sleep(poll_interval_seconds)
+        failed = False
 
+        async def refresh() -> None:
+            nonlocal failed
+            try:
+                await asyncio.to_thread(store.refresh)
+            except Exception as exc:  # the refresh task must outlive any bad input
+                if not failed:
+                    _log.error("kvguard sidecar: refresh failed (%s); retrying", exc,
+                               exc_info=exc)
+                failed = True
+
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(poll_interval_seconds)
+                await refresh()
+
+        # The state files are read once before the first request is served: a
+        # sidecar that has just (re)started must not answer its first scrape with
+        # no engines, which Prometheus would record as every kvguard series gone.
+        await refresh()
         task = asyncio.create_task(poll())
         try:
             yield

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,36 @@ def test_sidecar_started_before_any_engine_serves_empty_answers(tmp_path: Path) 
         assert c.get("/v1/report").json() == {"engines": [], "transfer_links": []}
         assert c.get("/v1/checkpoints").json() == {"checkpoints": []}
         assert c.get("/metrics").status_code == 200
+
+
+class _SlowStore(EngineStore):
+    """A store whose reads take a while, as on a busy node or a slow volume."""
+
+    def refresh(self) -> None:
+        time.sleep(0.3)
+        super().refresh()
+
+
+class _BrokenStore(EngineStore):
+    def refresh(self) -> None:
+        raise OSError("volume not mounted yet")
+
+
+def test_the_first_scrape_after_start_sees_the_engines_already_on_disk(tmp_path: Path) -> None:
+    # A restarted sidecar must not answer its first scrape with no engines: Prometheus
+    # would record every kvguard series as gone for one interval.
+    write(tmp_path, state([report(1), judged(2, holding=2).report]))
+    with TestClient(create_app(_SlowStore(tmp_path), poll_interval_seconds=3600)) as c:
+        assert c.get("/healthz").json()["engines"] == 1
+        assert _metrics(c)["kvguard_finished_requests_holding_blocks"][0][1] == 2.0
+
+
+def test_a_failing_first_read_does_not_stop_the_sidecar(tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    with TestClient(create_app(_BrokenStore(tmp_path), poll_interval_seconds=3600)) as c:
+        assert c.get("/healthz").json()["engines"] == 0
+        assert c.get("/metrics").status_code == 200
+    assert "volume not mounted yet" in caplog.text
 
 
 def test_metrics_follow_the_contract_with_types_and_no_request_labels(tmp_path: Path) -> None:

@@ -78,6 +78,7 @@ def test_prefix_shared_leaks_count_each_block_once_against_vllms_pool(
     assert sum(lk.blocks for lk in r.leaks) > len(held)  # the old, over-counted figure
     assert r.explanation.startswith(f"{len(held)} block(s) leaked in 3 finding(s).")
 
+    assert h.guard.publisher.flush(30.0)  # the state with this report is on disk
     with TestClient(create_app(EngineStore(tmp_path), poll_interval_seconds=0.05)) as c:
         metrics = _leaked_metric(c.get("/metrics").text, h.guard.engine)
     assert metrics.get("finished_request") == float(len(held))

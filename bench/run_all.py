@@ -472,7 +472,7 @@ def render() -> str:
               "step mix on one engine 1.088x +- 0.010 (32 rounds; interception alone 1.010x "
               "+- 0.008, kvguard's work on top 1.078x +- 0.010), over process pairs 1.110x "
               "+- 0.019, kvguard's clocked self time 285 us per step against 2537 us of the "
-              "engine's scheduler time (11.2 %): targets 8 still missed by the same margin as "
+              "engine's scheduler time (11.2 %): target 8 is still missed by the same margin as "
               "in the two runs before it, now with intervals narrow enough to say so. "
               "End to end (target 7) every mode is within 3.3 % of 1.00x (one engine: "
               "0.996x +- 0.020 sync, 1.000x +- 0.023 async; two processes 0.968x and "

@@ -20,10 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import save, stats
+from common import RoundBudget, save, stats
 
 CONCURRENCY = 64
 ROUNDS = int(os.environ.get("KVGUARD_BENCH_ROUNDS", "40"))
+"""Most rounds; fewer when the rounds' wall-time budget is spent first."""
+MIN_ROUNDS = 12
+ROUNDS_SECONDS = 120.0
+"""Wall-time budget of the timed rounds (``KVGUARD_BENCH_HOOK_SECONDS``): 40 rounds take
+about 100 s on this VM at its fast hours and 250 s at its slow ones."""
 MAX_TOKENS = 96
 
 
@@ -103,7 +108,11 @@ if __name__ == "__main__":
     busy0 = online.stats.busy_seconds_total
     sweeps0 = online.stats.sweeps_total
     per_round = []
-    for r in range(1, ROUNDS + 1):
+    budget = RoundBudget("KVGUARD_BENCH_HOOK_SECONDS", ROUNDS_SECONDS, min_rounds=MIN_ROUNDS,
+                         max_rounds=ROUNDS, step=3)  # each engine first as often
+    r = 0
+    while budget.more(r):
+        r += 1
         marks = [len(samples) for _, samples in engines]
         for h, _ in engines[r % 3:] + engines[:r % 3]:
             run_round(h, r)
@@ -132,7 +141,8 @@ if __name__ == "__main__":
                            "mean_ratio": mean_ratio,
                            "ratio_per_round": [r[0] for r in per_round],
                            "ratio_hooks_only_per_round": [r[1] for r in per_round],
-                           "target_ratio": 1.02, "concurrency": CONCURRENCY, "rounds": ROUNDS,
+                           "target_ratio": 1.02, "concurrency": CONCURRENCY, "rounds": r,
+                           "rounds_seconds": budget.spent(), "max_rounds": ROUNDS,
                            "online": {"budget_fraction": online.opts.budget_fraction,
                                       "sweeps": st.sweeps_total - sweeps0,
                                       "pool_blocks": on.num_usable(),

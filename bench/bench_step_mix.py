@@ -35,7 +35,8 @@ engine with what kvguard did in them, which is what makes a mean exceed a median
 
 Second, the same comparison without any process or engine bias: one engine with kvguard,
 its hooks taken out for every other round (the engine's own methods back) and put in again
-(ABBA, ``TOGGLE_ROUNDS`` per mode in each of ``TOGGLE_PROCESSES`` processes, the prefix
+(ABBA, up to ``TOGGLE_ROUNDS`` per mode in each of ``TOGGLE_PROCESSES`` processes, as many
+as ``TOGGLE_SECONDS`` of wall time per process allows past ``TOGGLE_MIN_ROUNDS``, the prefix
 cache reset before every round so that both modes start from the same pool). Both modes
 share the process, the engine and its memory; what the "without" side still carries is
 kvguard's idle objects and its publisher thread asleep. Reported: the mean of the per-round
@@ -62,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from common import Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
+from common import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
 PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "2"))
 """Process pairs: each process carries a bias of its own (memory layout, thread placement;
@@ -85,10 +86,19 @@ TOGGLE_PROCESSES = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_PROCESSES", "2")
 """Processes for the same-engine measurement (hooks in and out per round)."""
 TOGGLE_ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_TOGGLE_ROUNDS", "16"))
 """Rounds per process and mode, alternating the order (ABBA)."""
+TOGGLE_MIN_ROUNDS = 8
+TOGGLE_SECONDS = 100.0
+"""Wall-time budget of one process's rounds (``KVGUARD_BENCH_MIX_TOGGLE_SECONDS``), past
+``TOGGLE_MIN_ROUNDS``: 16 rounds of the three modes take about 60 s at this VM's fast
+hours and 150 s at its slow ones."""
 SELF_TIME_ROUNDS = 2
 """Rounds timed at every hook boundary (kvguard's own time per hook), in one process."""
 
 
+PACED_PROCESSES = 1
+PACED_SECONDS = 40.0
+"""The paced measurement (opt-in, beyond the target): one process, 8-16 rounds within
+``KVGUARD_BENCH_MIX_PACED_SECONDS``."""
 PACED_INTERVAL = "10"
 """``KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS`` of the paced measurement: a round takes
 about 1-2 s here, so a pace of 1 s would let every drain through; at 10 s, after the
@@ -428,9 +438,12 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
 
 
 def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
-                   floor: bool = False) -> dict[str, Any]:
-    """The same engine with kvguard's hooks in and out, per round (ABBA), in
-    ``TOGGLE_PROCESSES`` processes; then kvguard's own time per hook in the first one
+                   floor: bool = False, processes: int = TOGGLE_PROCESSES,
+                   seconds: float = TOGGLE_SECONDS,
+                   seconds_env: str = "KVGUARD_BENCH_MIX_TOGGLE_SECONDS") -> dict[str, Any]:
+    """The same engine with kvguard's hooks in and out, per round (ABBA), in ``processes``
+    processes, ``TOGGLE_MIN_ROUNDS`` to ``TOGGLE_ROUNDS`` rounds each within ``seconds``
+    of wall time (:class:`RoundBudget`); then kvguard's own time per hook in the first one
     (``self_time``), and what its drained audits said in each. ``floor``: each round also
     runs with :func:`passthrough` wrappers (ABC, CBA), which splits the ratio into the
     interception's (bare / off) and kvguard's work's (on / bare)."""
@@ -444,12 +457,17 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     breakdown: dict[str, Any] = {}
     verdicts: collections.Counter[str] = collections.Counter()
     unaudited = 0
-    for p in range(TOGGLE_PROCESSES):
+    for p in range(processes):
         w = Worker(__file__, ["toggle"], env, tmp / f"toggle-{p}.log")
         try:
             mine: dict[str, list[float]] = {m: [] for m in modes}
-            for r in range(1, TOGGLE_ROUNDS + 1):
-                seed = 500 + p * TOGGLE_ROUNDS + r
+            budget = RoundBudget(seconds_env, seconds,
+                                 min_rounds=min(TOGGLE_MIN_ROUNDS, TOGGLE_ROUNDS),
+                                 max_rounds=TOGGLE_ROUNDS, step=2)  # ABBA
+            r = 0
+            while budget.more(r):
+                r += 1
+                seed = 500 + p * TOGGLE_ROUNDS + r  # distinct per process up to the most rounds
                 got: dict[str, dict[str, Any]] = {}
                 for k in (modes if r % 2 else modes[::-1]):
                     out = w.ask(f"run {seed} {k}")
@@ -480,7 +498,7 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     mean, half = t_interval(per_round)
     out = {"per_round_mean_ratio": per_round, "per_process_mean_ratio": per_process,
            "mean_ratio": mean, "interval_half": half, "rounds": len(per_round),
-           "processes": TOGGLE_PROCESSES, "rounds_mismatched": mismatched,
+           "processes": processes, "rounds_mismatched": mismatched,
            "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
            "with_us": stats(us["on"]), "without_us": stats(us["off"]),
            "verdicts": dict(verdicts), "drains_unaudited": unaudited,
@@ -548,7 +566,9 @@ def main() -> None:
     # The same with the opt-in checkpoint pace: what it buys on a workload that drains
     # every round (not the defaults).
     paced = measure_toggle(same | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
-                           tmp, self_time=False)
+                           tmp, self_time=False, processes=PACED_PROCESSES,
+                           seconds=PACED_SECONDS,
+                           seconds_env="KVGUARD_BENCH_MIX_PACED_SECONDS")
     print(f"same engine, checkpoint pace {PACED_INTERVAL} s: {paced['mean_ratio']:.4f} +- "
           f"{paced['interval_half']:.4f}; drains let go {paced['drains_unaudited']}, "
           f"verdicts {paced['verdicts']}")

@@ -45,6 +45,42 @@ def save(name: str, payload: dict[str, object]) -> None:
     print(json.dumps(payload, default=float))
 
 
+class RoundBudget:
+    """How many rounds a benchmark that counts rounds runs: at least ``min_rounds``, at
+    most ``max_rounds``, and past the minimum only while less than ``seconds`` of wall
+    time went by since it was made (``seconds`` from the environment variable ``env``
+    when set). The run then takes about the same time on a VM running at half speed as
+    on a fast one: fewer rounds and a wider interval, both reported, instead of a run of
+    twice the length (``./scripts/bench`` has 20 minutes). ``step`` keeps the count a
+    multiple of what the round order needs (2 for ABBA, 3 for a rotation of three)."""
+
+    def __init__(self, env: str, seconds: float, *, min_rounds: int, max_rounds: int,
+                 step: int = 1) -> None:
+        if not 1 <= min_rounds <= max_rounds:
+            raise ValueError(f"rounds: need 1 <= min_rounds <= max_rounds, got "
+                             f"{min_rounds} and {max_rounds}")
+        raw = os.environ.get(env)
+        try:
+            self.seconds = float(raw) if raw else seconds
+        except ValueError:
+            raise ValueError(f"{env}={raw!r}: give the wall-time budget in seconds, "
+                             "e.g. 120") from None
+        self.min_rounds, self.max_rounds, self.step = min_rounds, max_rounds, step
+        self.started = time.monotonic()
+
+    def more(self, done: int) -> bool:
+        """Whether to run another round after ``done`` rounds."""
+        if done >= self.max_rounds:
+            return False
+        if done < self.min_rounds or done % self.step:
+            return True
+        return time.monotonic() - self.started < self.seconds
+
+    def spent(self) -> float:
+        """Wall time since the budget was made, in seconds."""
+        return time.monotonic() - self.started
+
+
 def kvguard_hooks(scheduler: Any) -> list[tuple[Any, str, Any]]:
     """Every kvguard hook on an engine: (object, method name, kvguard's wrapper), on the
     scheduler, its block pool and its KV cache coordinator."""

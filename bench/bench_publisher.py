@@ -11,7 +11,16 @@ GIL against it (the file write itself releases it). Measured two ways:
 2. the engine thread's lost time, directly: a CPU-bound loop on the main thread
    counts fixed work units for ``SECONDS`` seconds with the session publishing at 1 s
    (a real ``StatePublisher`` writer thread) and without; the loss is the drop in its
-   rate, in ABBA rounds (without, with, with, without).
+   rate, in ABBA rounds (without, with, with, without). On this 2-core VM its rounds
+   scatter by +-1-2 %, 100x the effect, so the same rounds are also read by
+3. the threads' own CPU clocks (``CLOCK_THREAD_CPUTIME_ID``, through
+   ``time.pthread_getcpuclockid``), which count only the time a thread ran: the engine
+   thread's time inside ``publish()`` (state build and offer), and the writer thread's
+   whole CPU time over the rounds that publish (serialization, and the file write, which
+   releases the GIL: an upper bound on the GIL time it takes from the engine thread),
+   against the engine thread's CPU time over the same rounds. The machine's speed
+   scales both sides alike, so the share is steady where the loop's rate is not; this
+   is the criterion.
 
 Target: <= 0.2 % of engine time.
 """
@@ -64,9 +73,45 @@ def build_session(run_dir: Path):  # type: ignore[no-untyped-def]
     return s
 
 
+CLOCKS = {"publish_s": 0.0, "engine_cpu_s": 0.0, "writer_cpu_s": 0.0, "encode_s": 0.0,
+          "publishes": 0}
+"""CPU seconds summed over the rounds that publish (:func:`work_rate` with a session)."""
+PUBLISH_MS: list[float] = []
+"""The engine thread's CPU time in each ``publish()`` of those rounds (ms)."""
+
+
+def clock_encoder(session) -> None:  # type: ignore[no-untyped-def]
+    """Count the writer thread's CPU time in serialization (Python holding the GIL) in
+    ``CLOCKS["encode_s"]``, while :func:`work_rate` publishes (the writer's other CPU
+    time is its file syscalls, which release the GIL)."""
+    encoder = session.publisher._encoder
+    encode = encoder.encode
+    counting = [False]
+
+    def timed(state):  # type: ignore[no-untyped-def]
+        t = time.thread_time()
+        try:
+            return encode(state)
+        finally:
+            if counting[0]:
+                CLOCKS["encode_s"] += time.thread_time() - t
+    encoder.encode = timed
+    session._clock_counting = counting
+
+
+def writer_cpu_seconds(session) -> float:  # type: ignore[no-untyped-def]
+    """CPU time the session's publisher writer thread has run so far (seconds)."""
+    ident = session.publisher._thread.ident
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
 def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped-def]
     """Work units per second on this thread; with ``session``, publishing at its interval
-    from the engine thread as the step-end hook does."""
+    from the engine thread as the step-end hook does, and the threads' CPU clocks added to
+    :data:`CLOCKS`."""
+    if session is not None:
+        session._clock_counting[0] = True
+        cpu0, writer0 = time.thread_time(), writer_cpu_seconds(session)
     n = 0
     x = 0
     t_end = time.perf_counter() + seconds
@@ -77,9 +122,18 @@ def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped
         n += 1
         if session is not None and time.monotonic() >= next_pub:
             next_pub += PUBLISH_INTERVAL
+            t = time.thread_time()
             session.publish()
+            CLOCKS["publish_s"] += time.thread_time() - t
+            PUBLISH_MS.append((time.thread_time() - t) * 1000)
+            CLOCKS["publishes"] += 1
         if (n & 63) == 0 and time.perf_counter() >= t_end:
             break
+    if session is not None:
+        session.publisher.flush()  # the last state written: its serialization is counted
+        CLOCKS["engine_cpu_s"] += time.thread_time() - cpu0
+        CLOCKS["writer_cpu_s"] += writer_cpu_seconds(session) - writer0
+        session._clock_counting[0] = False
     return n / seconds
 
 
@@ -101,6 +155,7 @@ if __name__ == "__main__":
         / PUBLISH_INTERVAL
     losses = []
     assert threading.active_count() >= 2, "the publisher's writer thread runs"
+    clock_encoder(s)
     for _ in range(ROUNDS):  # ABBA: drift within a round cancels
         a1 = work_rate(SECONDS, None)
         b1 = work_rate(SECONDS, s)
@@ -109,13 +164,25 @@ if __name__ == "__main__":
         losses.append(1 - (b1 + b2) / (a1 + a2))
     s.close()
     loss = statistics.median(losses)
+    clocked = (CLOCKS["publish_s"] + CLOCKS["encode_s"]) / CLOCKS["engine_cpu_s"]
+    """The engine thread's loss: its own time in ``publish()``, and the writer's time
+    serializing (holding the GIL the engine thread then waits for)."""
+    bound = (CLOCKS["publish_s"] + CLOCKS["writer_cpu_s"]) / CLOCKS["engine_cpu_s"]
+    """An upper bound: the writer's whole CPU time counted as lost, syscalls included."""
     print(f"state build {statistics.median(build_ms):.2f} ms, JSON dump "
           f"{statistics.median(dump_ms):.2f} ms ({len(data) / 1e3:.0f} kB) per publish; "
           f"parts at 1 publish/s: {100 * parts_fraction:.3f} % of engine time; engine "
           f"thread's measured loss {100 * loss:.3f} % (rounds: "
-          + ", ".join(f"{100 * x:.2f}" for x in losses) + ")")
+          + ", ".join(f"{100 * x:.2f}" for x in losses) + "); threads' CPU clocks: "
+          f"publish() {1000 * CLOCKS['publish_s'] / CLOCKS['publishes']:.2f} ms, writer "
+          f"serializing {1000 * CLOCKS['encode_s'] / CLOCKS['publishes']:.2f} ms (all its "
+          f"CPU {1000 * CLOCKS['writer_cpu_s'] / CLOCKS['publishes']:.2f} ms) per publish: "
+          f"{100 * clocked:.3f} % of the engine thread's CPU time (at most {100 * bound:.3f} %)")
     save("publisher", {"build_ms": stats(build_ms), "dump_ms": stats(dump_ms),
                        "state_bytes": len(data), "live_requests": LIVE_REQUESTS,
                        "history": HISTORY, "publish_interval_seconds": PUBLISH_INTERVAL,
                        "parts_fraction": parts_fraction, "loss_per_round": losses,
-                       "loss_median": loss, "target_fraction": 0.002})
+                       "loss_median": loss, "clocks": dict(CLOCKS),
+                       "publish_ms": stats(PUBLISH_MS),
+                       "clocked_fraction": clocked, "clocked_bound_fraction": bound,
+                       "target_fraction": 0.002})

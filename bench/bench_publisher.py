@@ -4,7 +4,7 @@ A guard session with 1,000 live requests (8 blocks each) and a 64-report history
 publishes its state once per ``publish_interval_seconds`` (1 s, the default) to a
 real state file. What the engine pays: building the ``EngineState`` on its own thread
 (``GuardSession.state``), and the writer thread's JSON serialization, which holds the
-GIL against it (the file write itself releases it). Measured two ways:
+GIL against it (the file write itself releases it). Measured three ways:
 
 1. the parts, timed alone: state build and the writer's serialization per publish
    (``StateEncoder``: each frozen report is serialized once, the rest every time);
@@ -12,15 +12,16 @@ GIL against it (the file write itself releases it). Measured two ways:
    counts fixed work units for ``SECONDS`` seconds with the session publishing at 1 s
    (a real ``StatePublisher`` writer thread) and without; the loss is the drop in its
    rate, in ABBA rounds (without, with, with, without). On this 2-core VM its rounds
-   scatter by +-1-2 %, 100x the effect, so the same rounds are also read by
+   scatter by several percent (-11 to +11 % on 2026-12-04), 100x the effect, so the
+   same rounds are also read by
 3. the threads' own CPU clocks (``CLOCK_THREAD_CPUTIME_ID``, through
    ``time.pthread_getcpuclockid``), which count only the time a thread ran: the engine
    thread's time inside ``publish()`` (state build and offer), and the writer thread's
-   whole CPU time over the rounds that publish (serialization, and the file write, which
-   releases the GIL: an upper bound on the GIL time it takes from the engine thread),
-   against the engine thread's CPU time over the same rounds. The machine's speed
-   scales both sides alike, so the share is steady where the loop's rate is not; this
-   is the criterion.
+   time serializing (Python holding the GIL, which the engine thread then waits for),
+   against the engine thread's CPU time over the same rounds: the criterion. The
+   writer's whole CPU time (its file syscalls too, which release the GIL) gives an
+   upper bound. The machine's speed scales both sides alike, so the share is steady
+   where the loop's rate is not.
 
 Target: <= 0.2 % of engine time.
 """
@@ -124,8 +125,9 @@ def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped
             next_pub += PUBLISH_INTERVAL
             t = time.thread_time()
             session.publish()
-            CLOCKS["publish_s"] += time.thread_time() - t
-            PUBLISH_MS.append((time.thread_time() - t) * 1000)
+            took = time.thread_time() - t
+            CLOCKS["publish_s"] += took
+            PUBLISH_MS.append(took * 1000)
             CLOCKS["publishes"] += 1
         if (n & 63) == 0 and time.perf_counter() >= t_end:
             break
@@ -164,11 +166,11 @@ if __name__ == "__main__":
         losses.append(1 - (b1 + b2) / (a1 + a2))
     s.close()
     loss = statistics.median(losses)
+    # The engine thread's loss: its own time in publish(), and the writer's time
+    # serializing (holding the GIL the engine thread then waits for); the bound counts
+    # all of the writer's CPU time as lost, its file syscalls included.
     clocked = (CLOCKS["publish_s"] + CLOCKS["encode_s"]) / CLOCKS["engine_cpu_s"]
-    """The engine thread's loss: its own time in ``publish()``, and the writer's time
-    serializing (holding the GIL the engine thread then waits for)."""
     bound = (CLOCKS["publish_s"] + CLOCKS["writer_cpu_s"]) / CLOCKS["engine_cpu_s"]
-    """An upper bound: the writer's whole CPU time counted as lost, syscalls included."""
     print(f"state build {statistics.median(build_ms):.2f} ms, JSON dump "
           f"{statistics.median(dump_ms):.2f} ms ({len(data) / 1e3:.0f} kB) per publish; "
           f"parts at 1 publish/s: {100 * parts_fraction:.3f} % of engine time; engine "

@@ -67,8 +67,8 @@ def _before_after() -> list[str]:
 
 
 def _throughput_rows() -> list[str]:
-    """Target 7: the verdict from the interval: pass when the mean ratio is >= 0.99 and the
-    95 % interval's half-width reached +-0.5 % (else the mean is not known well enough)."""
+    """Target 7, one row per mode of each throughput result; the verdicts are
+    :func:`_throughput_verdict`'s."""
     out = []
     for name in ("throughput", "throughput_long"):
         path = HERE / "results" / f"{name}.json"

@@ -79,6 +79,8 @@ CLOCKS = {"publish_s": 0.0, "engine_cpu_s": 0.0, "writer_cpu_s": 0.0, "encode_s"
 """CPU seconds summed over the rounds that publish (:func:`work_rate` with a session)."""
 PUBLISH_MS: list[float] = []
 """The engine thread's CPU time in each ``publish()`` of those rounds (ms)."""
+COUNTING = [False]
+"""Whether a round that publishes is running (the writer's serialization counts then)."""
 
 
 def clock_encoder(session) -> None:  # type: ignore[no-untyped-def]
@@ -87,17 +89,15 @@ def clock_encoder(session) -> None:  # type: ignore[no-untyped-def]
     time is its file syscalls, which release the GIL)."""
     encoder = session.publisher._encoder
     encode = encoder.encode
-    counting = [False]
 
     def timed(state):  # type: ignore[no-untyped-def]
         t = time.thread_time()
         try:
             return encode(state)
         finally:
-            if counting[0]:
+            if COUNTING[0]:
                 CLOCKS["encode_s"] += time.thread_time() - t
     encoder.encode = timed
-    session._clock_counting = counting
 
 
 def writer_cpu_seconds(session) -> float:  # type: ignore[no-untyped-def]
@@ -111,7 +111,7 @@ def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped
     from the engine thread as the step-end hook does, and the threads' CPU clocks added to
     :data:`CLOCKS`."""
     if session is not None:
-        session._clock_counting[0] = True
+        COUNTING[0] = True
         cpu0, writer0 = time.thread_time(), writer_cpu_seconds(session)
     n = 0
     x = 0
@@ -135,7 +135,7 @@ def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped
         session.publisher.flush()  # the last state written: its serialization is counted
         CLOCKS["engine_cpu_s"] += time.thread_time() - cpu0
         CLOCKS["writer_cpu_s"] += writer_cpu_seconds(session) - writer0
-        session._clock_counting[0] = False
+        COUNTING[0] = False
     return n / seconds
 
 

@@ -79,8 +79,8 @@ def _throughput_rows() -> list[str]:
 
 def _throughput_file_rows(d: dict[str, Any], *, long: bool) -> list[str]:
     """The rows of one throughput result: the run of ``./scripts/bench``, or the long run
-    of one mode (``KVGUARD_BENCH_THROUGHPUT_RESULT=throughput_long``), which has the time
-    for the +-0.5 % interval that the whole benchmark run has not."""
+    of one mode (``KVGUARD_BENCH_THROUGHPUT_RESULT=throughput_long``), which has more time
+    for a narrow interval than the whole benchmark run has."""
     w = d["workload"]
     out = []
     for row in d["rows"]:

@@ -84,12 +84,11 @@ class RoundBudget:
 def kvguard_hooks(scheduler: Any) -> list[tuple[Any, str, Any]]:
     """Every kvguard hook on an engine: (object, method name, kvguard's wrapper), on the
     scheduler, its block pool and its KV cache coordinator."""
-    from kvguard.vllm_plugin.hooks import _MARK
+    from kvguard.vllm_plugin.guard import guard_of
 
-    kvm = scheduler.kv_cache_manager
-    objs = [scheduler, kvm.block_pool, getattr(kvm, "coordinator", None)]
-    return [(o, n, f) for o in objs if o is not None for n, f in list(vars(o).items())
-            if getattr(f, _MARK, False)]
+    g = guard_of(scheduler)
+    # The plain hooks (a cost window may have the metered ones in place right now).
+    return [] if g is None else [(h.obj, h.name, h.plain) for h in g.installed_hooks]
 
 
 def set_hooks(hooks: list[tuple[Any, str, Any]], on: bool) -> None:

@@ -7,6 +7,7 @@ point (``VLLM_PLUGINS=kvguard``) and needs no import from user code.
 
 from kvguard.config import KvguardConfig
 from kvguard.core.classify import BlockJudgement, Charge, HoldRule, classify_block
+from kvguard.core.cost import CostMeter
 from kvguard.core.engine import EngineActivity, EngineAdapter, EngineIdentity, HoldBound
 from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.ledger import OwnershipLedger
@@ -21,7 +22,7 @@ from kvguard.core.session import (
     StateSink,
 )
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
-from kvguard.core.state import EngineState, OnlineState
+from kvguard.core.state import CostState, EngineState, OnlineState
 from kvguard.core.transfer_links import LinkKind, TransferLink, link_transfers
 from kvguard.core.transfers import (
     HazardKind,
@@ -60,6 +61,8 @@ __all__ = [
     "CheckpointRequests",
     "ConfigError",
     "CorruptStateError",
+    "CostMeter",
+    "CostState",
     "EngineActivity",
     "EngineAdapter",
     "EngineIdentity",

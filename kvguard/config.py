@@ -85,6 +85,10 @@ class KvguardConfig:
     the pool."""
     online_max_pause_seconds: float = 0.002
     """Most audit time at one step boundary (an idle gap never buys a longer pause)."""
+    cost_sample_every_steps: int = 512
+    """kvguard meters its own time on the engine thread in one window of 8 steps per this
+    many steps (``kvguard_cost_*`` metrics; 0: off). The other steps run hooks with no
+    clock in them."""
     snapshot_dir: Path | None = None
     """Where a checkpoint that finds tensor growth writes a PyTorch memory snapshot (CUDA)."""
 
@@ -117,6 +121,9 @@ class KvguardConfig:
         if self.checkpoint_burst < 1:
             raise ConfigError("KVGUARD_CHECKPOINT_BURST", self.checkpoint_burst,
                               "an integer >= 1")
+        if self.cost_sample_every_steps < 0:
+            raise ConfigError("KVGUARD_COST_SAMPLE_EVERY_STEPS", self.cost_sample_every_steps,
+                              "a number of engine steps >= 0 (0 turns the meter off)")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
         if self.engine_name is not None and not re.match(ENGINE_NAME_PATTERN, self.engine_name):

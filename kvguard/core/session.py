@@ -40,6 +40,7 @@ from typing import Protocol
 from kvguard.config import KvguardConfig
 from kvguard.core.checkpoint import build_report, online_report, skipped_report
 from kvguard.core.classify import HoldRule, hold_is_legitimate
+from kvguard.core.cost import CostMeter
 from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
 from kvguard.core.ledger import OwnershipLedger
@@ -167,6 +168,9 @@ class GuardSession:
         """Delayed frees that have had a deadline from the connector (polled until freed)."""
         self.attributor = attributor
         """Memory attribution at drained checkpoints (None: off)."""
+        self.meter = CostMeter(config.cost_sample_every_steps)
+        """kvguard's own time on the engine thread, on a sample of steps (the engine side
+        attaches the switch between its plain and metered hooks)."""
         self._requests = requests
         self._ledger_errors_seen = 0
         self._checkpoint_requested = False
@@ -194,6 +198,8 @@ class GuardSession:
         self._config = config
         self._next_publish = 0.0
         self.pacer.reconfigure(config.checkpoint_min_interval_seconds, config.checkpoint_burst)
+        if config.cost_sample_every_steps != self.meter.every:
+            self.meter.reconfigure(config.cost_sample_every_steps)
         if not config.online_audit:
             self.online = None
             return
@@ -336,6 +342,11 @@ class GuardSession:
     def on_step_end(self, *, step_seconds: float | None = None) -> None:
         """After aborts, and per engine step (``step_seconds``: the scheduler time of that
         step). Cheap when idle: the online audit spends only its budget."""
+        if step_seconds is not None:  # a step (not an abort): the meter counts it
+            meter = self.meter
+            meter.countdown -= 1
+            if meter.countdown == 0:  # never reached when metering is off (it starts at 0)
+                meter.tick()
         if self.transfers is not None:
             mono = time.monotonic()
             if mono >= self._next_transfer_poll:
@@ -623,6 +634,7 @@ class GuardSession:
             unaudited_drain_at=self.pacer.owed_since,
             drain=self.drain_prediction(),
             transfers=self.transfers.state() if self.transfers is not None else None,
+            cost=self.meter.state() if self.meter.every else None,
             reports=list(self.reports),
         )
 

@@ -13,12 +13,13 @@ from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 
-STATE_SCHEMA_VERSION = 4
+STATE_SCHEMA_VERSION = 5
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
 kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
-pace of drained audits)."""
+pace of drained audits). 5: ``cost`` (kvguard's own time on the engine thread, metered on a
+sample of steps)."""
 
 
 class OnlineState(BaseModel):
@@ -38,6 +39,27 @@ class OnlineState(BaseModel):
     pending_blocks: int = Field(default=0, description="Suspect once, awaiting a second audit.")
     confirmed_blocks: int = 0
     restarts_total: int = 0
+
+
+class CostState(BaseModel):
+    """kvguard's own cost on the engine thread, metered on a sample of engine steps
+    (:mod:`kvguard.core.cost`). Totals cover whole sampled steps only."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    sample_every_steps: int = Field(description="One window per this many steps; 0: off.")
+    window_steps: int = Field(description="Steps metered in a row per window.")
+    sampled_steps_total: int = 0
+    self_seconds_total: float = Field(
+        default=0.0, description="kvguard's own time in the sampled steps, s (hook time "
+                                 "minus the engine methods they wrap).")
+    scheduler_seconds_total: float = Field(
+        default=0.0, description="The engine's scheduler entry points (admission, schedule, "
+                                 "update_from_output, aborts) in the same steps, kvguard's "
+                                 "time included, s.")
+    windows_skipped_total: int = Field(
+        default=0, description="Windows not metered: another wrapper sits over one of "
+                               "kvguard's hooks, or the engine side has no metered hooks.")
 
 
 class EngineState(BaseModel):
@@ -81,6 +103,8 @@ class EngineState(BaseModel):
     transfers: TransfersState | None = Field(
         default=None, description="KV transfers between engines (P/D); None without a "
                                   "KV connector.")
+    cost: CostState | None = Field(default=None, description="kvguard's own cost on the "
+                                   "engine thread; None when metering is off.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

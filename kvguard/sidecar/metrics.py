@@ -106,8 +106,30 @@ class KvguardCollector(Collector):
             "kvguard_kv_transfer_hazards", "Transfer hazards that are not leaks, by kind "
             "(freed_before_read: a read arrived after the blocks were freed on lease "
             "expiry).", labels=["engine", "kind"])
+        cost_steps = CounterMetricFamily(
+            "kvguard_cost_sampled_steps", "Engine steps kvguard metered its own time in "
+            "(one window of steps per KVGUARD_COST_SAMPLE_EVERY_STEPS).", labels=eng)
+        cost_self = CounterMetricFamily(
+            "kvguard_cost_self_seconds", "kvguard's own time on the engine thread in the "
+            "sampled steps (hooks, audits, publishing; the engine's methods they wrap "
+            "excluded). rate() over rate(kvguard_cost_scheduler_seconds_total) is its "
+            "share of scheduler time.", labels=eng)
+        cost_sched = CounterMetricFamily(
+            "kvguard_cost_scheduler_seconds", "The engine's scheduler entry points "
+            "(admission, schedule, update_from_output, aborts) in the sampled steps, "
+            "kvguard's time included.", labels=eng)
+        cost_skipped = CounterMetricFamily(
+            "kvguard_cost_windows_skipped", "Metering windows not taken: a wrapper set "
+            "over one of kvguard's hooks after it (the meter never replaces one).",
+            labels=eng)
         for name, view in sorted(self.store.engines.items()):
             s = view.state
+            if s.cost is not None:
+                c = s.cost
+                cost_steps.add_metric([name], float(c.sampled_steps_total))
+                cost_self.add_metric([name], c.self_seconds_total)
+                cost_sched.add_metric([name], c.scheduler_seconds_total)
+                cost_skipped.add_metric([name], float(c.windows_skipped_total))
             if s.transfers is not None:
                 t = s.transfers
                 kv_info.add_metric([name, t.connector, t.kv_role or "", t.kv_engine_id or "",
@@ -181,7 +203,8 @@ class KvguardCollector(Collector):
         yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
                     events, errors, unaudited, read_errors, drain_eta, allocator, device, swap,
                     sweeps, online_seconds, sweep_steps, latency, last_sweep, kv_info,
-                    kv_pending, kv_outcomes, kv_hazards)
+                    kv_pending, kv_outcomes, kv_hazards, cost_steps, cost_self, cost_sched,
+                    cost_skipped)
 
 
 def _memory_samples(name: str, r: CheckpointReport, allocator: GaugeMetricFamily,

@@ -10,8 +10,9 @@ attributor. The hooks (``kvguard.vllm_plugin.hooks``) feed the session's events.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvguard.attribution.setup import attributor_for_vllm
 from kvguard.config import KvguardConfig
@@ -32,6 +33,18 @@ def guard_of(scheduler: Any) -> EngineGuard | None:
     """The guard attached to a vLLM scheduler, if kvguard is installed on it."""
     g = getattr(scheduler, "_kvguard", None)
     return g if isinstance(g, EngineGuard) else None
+
+
+class InstalledHook(NamedTuple):
+    """One method kvguard wraps on one engine object, in both of its forms."""
+
+    obj: Any
+    """The scheduler, its block pool or its KV cache coordinator (the instance)."""
+    name: str
+    plain: Callable[..., Any]
+    """The hook as it runs on most steps: no clock in it."""
+    metered: Callable[..., Any]
+    """The same hook with a clock at each boundary (in place during a cost window)."""
 
 
 class RequestFile:
@@ -66,6 +79,8 @@ class EngineGuard(GuardSession):
                          sink=StatePublisher(config.run_dir, engine),
                          requests=RequestFile(config.run_dir, engine))
         self.vllm = adapter
+        self.installed_hooks: list[InstalledHook] = []
+        """Every hook in place, plain and metered (the cost meter switches between them)."""
         self.attributor = attributor_for_vllm(scheduler, config,
                                               name=f"{self.engine}-{self.epoch}")
         _GUARDS[self.engine] = self

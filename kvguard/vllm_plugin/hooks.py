@@ -32,12 +32,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from time import perf_counter
+from time import perf_counter, perf_counter_ns
 from typing import Any, Final
 
+from kvguard.core.cost import CostMeter, Switch
 from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
-from kvguard.vllm_plugin.guard import EngineGuard
+from kvguard.vllm_plugin.guard import EngineGuard, InstalledHook
 from kvguard.vllm_plugin.pool_reader import block_ids_in
 
 log = logging.getLogger("kvguard")
@@ -60,6 +61,12 @@ vLLM applies the connector's finished and failed transfers (P/D)."""
 COORDINATOR_HOOKS: Final = ("remove_skipped_blocks",)
 """KV cache coordinator methods kvguard wraps: where blocks that slid out of a sliding
 window are freed (a no-op for full attention)."""
+
+
+ENTRY_HOOKS: Final = frozenset({"add_request", "schedule", "update_from_output",
+                                "finish_requests"})
+"""The engine's entry points among the hooked methods: the cost meter's scheduler time is
+their wall time (every other hook runs inside one of them)."""
 
 
 _NEVER_SKIPS: Final = "FullAttentionManager"
@@ -88,9 +95,72 @@ def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> No
     if getattr(orig, _MARK, False):
         return  # already installed: idempotent
     wrapper = make(orig)
-    setattr(wrapper, _MARK, True)
+    metered = _metered(g.meter, make, orig, entry=name in ENTRY_HOOKS)
+    for f in (wrapper, metered):
+        setattr(f, _MARK, True)
     setattr(obj, name, wrapper)
     g.hooks_installed.append(label)
+    g.installed_hooks.append(InstalledHook(obj, name, wrapper, metered))
+
+
+def _metered(meter: CostMeter, make: Callable[[Any], Any], orig: Callable[..., Any], *,
+             entry: bool) -> Callable[..., Any]:
+    """The hook ``make`` builds, with a clock at each boundary between it and the engine:
+    its wall time minus the time in ``orig`` (the engine's method, with any hook nested in
+    it) goes to the meter's window as kvguard's own time; an entry point's wall time, once
+    per outermost call, as scheduler time. The hook body is the plain one's: only the
+    clocks differ."""
+    pc = perf_counter_ns
+    inner_ns = [0]
+    """Time in ``orig`` during the last call (a nested call of the same hook finishes
+    inside it, so the outer call's assignment comes last)."""
+
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        t = pc()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            inner_ns[0] = pc() - t
+
+    hook = make(inner)
+
+    def metered(*args: Any, **kwargs: Any) -> Any:
+        inner_ns[0] = 0
+        top = entry and meter.depth == 0
+        if entry:
+            meter.depth += 1
+        t = pc()
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            total = pc() - t
+            meter.window_self_ns += total - inner_ns[0]
+            if entry:
+                meter.depth -= 1
+                if top:
+                    meter.window_scheduler_ns += total
+                    if meter.closing:  # this call ended the window's last step
+                        meter.close()
+    return metered
+
+
+def _switch_for(hooks: list[InstalledHook]) -> Switch:
+    """The cost meter's switch over ``hooks``: it meters only when every hook is kvguard's
+    plain one where it was put (a wrapper someone set over one since would hide that hook
+    from the meter, and replacing it would drop that wrapper), and it puts back only the
+    metered hooks still in place."""
+    def switch(metered: bool) -> bool:
+        if metered:
+            if any(vars(h.obj).get(h.name) is not h.plain for h in hooks):
+                return False
+            for h in hooks:
+                setattr(h.obj, h.name, h.metered)
+            return True
+        for h in hooks:
+            if vars(h.obj).get(h.name) is h.metered:
+                setattr(h.obj, h.name, h.plain)
+        return True
+    return switch
 
 
 def install_hooks(g: EngineGuard) -> None:
@@ -373,3 +443,4 @@ def install_hooks(g: EngineGuard) -> None:
         _wrap(g, sched, name, make)
     track_in_flight[0] = (vllm.batches_overlap
                           and f"{type(sched).__name__}.update_from_output" in g.hooks_installed)
+    g.meter.attach(_switch_for(g.installed_hooks))

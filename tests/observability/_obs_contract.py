@@ -67,6 +67,8 @@ CONTRACT: dict[str, Metric] = {
         "gauge", "engine", "kind", reserved=True, kind=("used", "non_torch")),
     "kvguard_host_swap_used_bytes": _m("gauge"),
     "kvguard_drain_eta_seconds": _m("gauge", "engine"),
+    "kvguard_cost_self_seconds_total": _m("counter", "engine"),
+    "kvguard_cost_scheduler_seconds_total": _m("counter", "engine"),
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {
@@ -75,6 +77,8 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_sidecar_read_errors_total": _m("counter"),
     "kvguard_drains_unaudited_total": _m("counter", "engine"),
     "kvguard_online_sweeps_total": _m("counter", "engine"),
+    "kvguard_cost_sampled_steps_total": _m("counter", "engine"),
+    "kvguard_cost_windows_skipped_total": _m("counter", "engine"),
     # P/D: only engines with a KV connector export these (tests/pd scrapes them).
     "kvguard_kv_connector_info": _m("gauge", "engine", "connector", "kv_role", "kv_engine_id",
                                     "hold_source"),

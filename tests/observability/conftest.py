@@ -205,12 +205,13 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallel
                       extra={"scheduler_cls": SCHEDULER_CLS,
                              "data_parallel_size": DATA_PARALLEL_SIZE})
     # The workload is short (a few hundred engine steps): the online audit gets 5 % of
-    # scheduler time (default 0.5 %) so that its sweeps complete and its series exist.
+    # scheduler time (default 0.5 %) so that its sweeps complete and its series exist, and
+    # kvguard meters its own cost in 8 of every 16 steps (default: 8 of 512).
     env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),
            "KVGUARD_ENGINE_NAME": ENGINE_NAME, "KVGUARD_ALLOW_FAULTS": "1",
            "KVGUARD_FAULTS": "refcount_bump=1,skip_free_on_abort=1",
            "KVGUARD_FAULTS_DP_RANKS": str(LEAKING_RANK),
-           "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05"}
+           "KVGUARD_ONLINE_BUDGET_FRACTION": "0.05", "KVGUARD_COST_SAMPLE_EVERY_STEPS": "16"}
     with ServerProcess(spec, log_path=root / "server.log", env=env,
                        health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S) as server:
         model = spec.served_model_name

@@ -56,3 +56,22 @@ def test_hooks_see_vllms_calls(sched: Callable[..., Sched]) -> None:
     assert events["finish_aborted"] == 1 and events["finish_length"] == 3, events
     assert [s.status(r) for r in rids] == ["FINISHED_LENGTH_CAPPED"] * 3 + ["FINISHED_ABORTED"]
     assert s.guard.errors.total == 0, s.guard.errors.by_hook
+
+
+def test_the_cost_meter_meters_whole_windows_on_this_vllm(sched: Callable[..., Sched]) -> None:
+    """kvguard's live cost meter on this vLLM's scheduler: a window of 8 steps in every 16
+    is metered, with vLLM's own methods called through it (the engine's work is the same
+    with the metered hooks: every request finishes, the pool is idle again)."""
+    s = sched(env={"KVGUARD_COST_SAMPLE_EVERY_STEPS": "16"}, num_blocks=24)
+    rids = [s.add(prompt(i, 100), 120) for i in range(4)]
+    steps = s.run_to_completion()
+    m = s.guard.meter
+    assert m.every == 16 and m.window == 8
+    assert m.steps_total >= 8 * (steps // 16 - 1), (m.steps_total, steps)
+    assert 0 < m.self_ns_total < m.scheduler_ns_total
+    assert m.windows_skipped_total == 0
+    assert [s.status(r) for r in rids] == ["FINISHED_LENGTH_CAPPED"] * 4
+    assert s.preemptions > 0  # the preemption path ran, metered or not
+    assert s.guard.errors.total == 0, s.guard.errors.by_hook
+    cost = s.guard.state().cost
+    assert cost is not None and cost.sampled_steps_total == m.steps_total

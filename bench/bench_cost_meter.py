@@ -11,12 +11,14 @@ time per step:
   boundary between kvguard and the engine, a separate implementation.
 
 Reported: both per-step self times, the scheduler ratio each implies (scheduler time over
-scheduler time without kvguard's part: target 8's ratio), and their relative difference;
-the verdict checks agreement within ``AGREEMENT`` (both carry their clock reads, 4 per
-hook call). The meter's own cost at its default (one window of 8 steps per 512) is far
-below this VM's noise end to end; ``BENCHMARKS.md`` bounds it from the hook calls per step
-counted here: 4 clock reads per hook call in the metered steps, at most 0.3 us each (the
-clocks' cost, cold, per ``bench_step_mix.self_time``).
+scheduler time without kvguard's part: target 8's ratio), and their relative difference.
+``BENCHMARKS.md`` judges the meter against the measurement with no clock in kvguard's
+hooks at all: the step mix's toggle (kvguard's hooks in and out of one engine, its 95 %
+interval), which ``./scripts/bench`` runs just before. The meter's own cost at its
+default (one window of 8 steps per 512) is far below this VM's noise end to end;
+``BENCHMARKS.md`` bounds it from the hook calls per step counted here: 4 clock reads per
+hook call in the metered steps, at most 0.3 us each (the clocks' cost, cold, per
+``bench_step_mix.self_time``).
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from common import RoundBudget, kvguard_hooks, save
 ROUNDS_MIN, ROUNDS_MAX = 4, 12
 SECONDS = 60.0
 """Wall-time budget past the minimum (``KVGUARD_BENCH_METER_SECONDS``)."""
-AGREEMENT = 0.25
-"""Largest relative difference between the two per-step self times for a pass."""
 
 
 def main() -> None:
@@ -85,7 +85,7 @@ def main() -> None:
         "clocks_self_us_per_step": c_self, "clocks_engine_us_per_step": c_engine,
         "clocks_ratio": (c_engine + c_self) / c_engine,
         "hook_calls_per_step": pooled(clock_rows, "hook_calls"),
-        "relative_difference": diff, "agreement": AGREEMENT,
+        "relative_difference": diff,
         "hook_errors": g.errors.total})
     print(f"meter {m_self:.1f} us/step ({m_sched / (m_sched - m_self):.3f}x), clocks "
           f"{c_self:.1f} us/step ({(c_engine + c_self) / c_engine:.3f}x): {100 * diff:+.1f} %",

@@ -58,6 +58,13 @@ def render_state(s: EngineState) -> str:
                      f"steps ({o.last_sweep_seconds:.2f} s); detection within "
                      f"{o.detection_latency_steps} steps ({o.detection_latency_seconds:.2f} s); "
                      f"{o.audit_seconds_total:.3f} s spent in all")
+    c = s.cost
+    if c is not None and c.sampled_steps_total and c.scheduler_seconds_total > 0:
+        share = c.self_seconds_total / c.scheduler_seconds_total
+        lines.append(f"   kvguard's own cost: {100 * share:.1f} % of scheduler time "
+                     f"({1 / (1 - share) if share < 1 else float('inf'):.3f}x), metered over "
+                     f"{c.sampled_steps_total} steps ({c.window_steps} in every "
+                     f"{c.sample_every_steps})")
     if s.hooks_missing:
         lines.append(f"   hooks missing in this vLLM: {', '.join(s.hooks_missing)}")
     r = s.latest_report

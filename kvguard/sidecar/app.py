@@ -140,7 +140,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
                 hook_errors_total=view.state.hook_errors_total,
                 faults_enabled=list(view.state.faults_enabled), latest=latest,
                 drain=_drain_view(view.state.drain), online=view.state.online,
-                transfers=view.state.transfers,
+                transfers=view.state.transfers, cost=view.state.cost,
                 trend=TrendReport(verdict=t.verdict, checkpoints=t.checkpoints,
                                   holding_series=list(t.holding_series),
                                   explanation=t.explanation)))

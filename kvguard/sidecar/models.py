@@ -8,7 +8,7 @@ from kvguard.core.report import CheckpointReport
 from kvguard.core.transfer_links import TransferLink
 from kvguard.core.transfers import TransfersState
 from kvguard.core.trend import TrendVerdict
-from kvguard.transport.state import OnlineState
+from kvguard.transport.state import CostState, OnlineState
 
 
 class _Model(BaseModel):
@@ -55,6 +55,10 @@ class EngineReport(_Model):
     transfers: TransfersState | None = Field(
         default=None, description="KV transfers between engines (P/D; null without a KV "
                                   "connector).")
+    cost: CostState | None = Field(
+        default=None, description="kvguard's own time on the engine thread, metered on a "
+                                  "sample of steps since the engine started (null when "
+                                  "metering is off).")
 
 
 class ReportsResponse(_Model):

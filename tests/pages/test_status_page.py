@@ -210,3 +210,24 @@ def test_an_online_finding_under_load_says_so(page: Page, sidecar_url: str,
     expect(section).to_contain_text(
         "420 sweeps; the last took 9 steps (0.01 s), budget 1 % of scheduler time")
     maybe_screenshot(page, "status-online")
+
+
+def test_kvguards_own_cost_is_shown_once_metered_and_not_when_off(
+        page: Page, sidecar_url: str, run_dir: Path) -> None:
+    """The engine card says what kvguard costs the engine it watches: its metered share of
+    scheduler time, and the ratio that share means; nothing when metering is off."""
+    from kvguard.transport.state import CostState
+
+    cost = CostState(sample_every_steps=512, window_steps=8, sampled_steps_total=640,
+                     self_seconds_total=0.02, scheduler_seconds_total=0.25)
+    write(run_dir, state([report(3)]).model_copy(update={"cost": cost}))
+    _open(page, sidecar_url)
+    section = page.get_by_test_id("cost")
+    expect(section.get_by_test_id("cost-headline")).to_have_text(
+        "8 % of scheduler time (1.087x)")
+    expect(section).to_contain_text("metered over 640 steps since the engine started "
+                                    "(8 in every 512)")
+    write(run_dir, state([report(4)]).model_copy(update={"cost": None}))
+    _open(page, sidecar_url)
+    expect(page.get_by_test_id("verdict")).to_contain_text("checkpoint #4")
+    expect(page.get_by_test_id("cost")).to_have_count(0)

@@ -27,3 +27,19 @@ def test_online_report_and_audit_pace_are_rendered() -> None:
     assert "online audit #5" in text and "verdict: LEAK" in text
     assert "online audit: 420 sweeps, the last 9 steps (0.01 s); detection within 27 steps" in text
     assert "victim" in text and "finished_request" in text and "abort" in text
+
+
+def test_kvguards_own_cost_is_rendered_as_a_share_and_a_ratio_once_metered() -> None:
+    from kvguard.transport.state import CostState
+
+    metered = CostState(sample_every_steps=512, window_steps=8, sampled_steps_total=64,
+                        self_seconds_total=0.01, scheduler_seconds_total=0.1)
+    text = render_state(state([report(1)]).model_copy(update={"cost": metered}))
+    assert ("kvguard's own cost: 10.0 % of scheduler time (1.111x), metered over 64 steps "
+            "(8 in every 512)") in text
+    nothing_yet = metered.model_copy(update={"sampled_steps_total": 0,
+                                             "self_seconds_total": 0.0,
+                                             "scheduler_seconds_total": 0.0})
+    for cost in (nothing_yet, None):
+        text = render_state(state([report(1)]).model_copy(update={"cost": cost}))
+        assert "own cost" not in text

@@ -340,6 +340,27 @@ function onlineSection(online) {
     h("h3", { text: "Online audit (ownership under load)" }), body);
 }
 
+function costSection(cost) {
+  if (!cost) return null;  // metering off (KVGUARD_COST_SAMPLE_EVERY_STEPS=0)
+  const self = num(cost.self_seconds_total);
+  const sched = num(cost.scheduler_seconds_total);
+  const body = [];
+  if (!cost.sampled_steps_total || !sched) {
+    body.push(h("p", { class: "empty", text:
+      `No step metered yet: ${cost.window_steps} steps in every ${cost.sample_every_steps} are.` }));
+  } else {
+    const share = self / sched;
+    body.push(h("p", { class: "headline", "data-testid": "cost-headline",
+                       text: `${fmt(100 * share, 1)} % of scheduler time (${fmt(1 / (1 - share), 3)}x)` }));
+    body.push(h("p", { class: "minor", text:
+      `kvguard's own time on the engine thread, metered over ${cost.sampled_steps_total} steps since ` +
+      `the engine started (${cost.window_steps} in every ${cost.sample_every_steps}). Its share of a ` +
+      `whole step depends on the model: a GPU step is mostly its forward pass.` }));
+  }
+  return h("section", { class: "panel cost", "data-testid": "cost" },
+    h("h3", { text: "kvguard's own cost" }), body);
+}
+
 function engineCard(eng, history) {
   const latest = eng.latest ?? null;
   const drain = eng.drain ?? latest?.drain ?? null;
@@ -359,7 +380,7 @@ function engineCard(eng, history) {
       h("section", { class: "panel pool", "data-testid": "pool" },
         h("h3", { text: "Pool states per checkpoint" }), poolChart(history), legend(latest?.pool)),
       h("div", { class: "side" }, trendSection(eng.trend), drainSection(drain),
-        onlineSection(eng.online)),
+        onlineSection(eng.online), costSection(eng.cost)),
       attributionSection(latest)));
 }
 

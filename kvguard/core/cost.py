@@ -128,9 +128,9 @@ class CostMeter:
             self.countdown = self.window
             return
         self.active = False
+        self.countdown = self.every - self.window
         if self._switch is not None:
             self._switch(False)
-        self.countdown = self.every - self.window
 
     def state(self) -> CostState:
         return CostState(sample_every_steps=self.every, window_steps=self.window,

@@ -96,7 +96,7 @@ class HookErrors:
     """Failures inside kvguard hook code: counted per hook, logged once per hook."""
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
-                             "finish_requests", "transfers", "checkpoint"})
+                             "finish_requests", "transfers", "checkpoint", "cost_meter"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:

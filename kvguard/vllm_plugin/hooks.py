@@ -36,6 +36,7 @@ from time import perf_counter, perf_counter_ns
 from typing import Any, Final
 
 from kvguard.core.cost import CostMeter, Switch
+from kvguard.core.session import HookErrors
 from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard, InstalledHook
@@ -95,7 +96,7 @@ def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> No
     if getattr(orig, _MARK, False):
         return  # already installed: idempotent
     wrapper = make(orig)
-    metered = _metered(g.meter, make, orig, entry=name in ENTRY_HOOKS)
+    metered = _metered(g.meter, g.errors, make, orig, entry=name in ENTRY_HOOKS)
     for f in (wrapper, metered):
         setattr(f, _MARK, True)
     setattr(obj, name, wrapper)
@@ -103,13 +104,14 @@ def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> No
     g.installed_hooks.append(InstalledHook(obj, name, wrapper, metered))
 
 
-def _metered(meter: CostMeter, make: Callable[[Any], Any], orig: Callable[..., Any], *,
-             entry: bool) -> Callable[..., Any]:
+def _metered(meter: CostMeter, errors: HookErrors, make: Callable[[Any], Any],
+             orig: Callable[..., Any], *, entry: bool) -> Callable[..., Any]:
     """The hook ``make`` builds, with a clock at each boundary between it and the engine:
     its wall time minus the time in ``orig`` (the engine's method, with any hook nested in
     it) goes to the meter's window as kvguard's own time; an entry point's wall time, once
     per outermost call, as scheduler time. The hook body is the plain one's: only the
-    clocks differ."""
+    clocks differ, and closing a window (hooks switched back) is contained like any
+    hook's failure."""
     pc = perf_counter_ns
     inner_ns = [0]
     """Time in ``orig`` during the last call (a nested call of the same hook finishes
@@ -140,7 +142,10 @@ def _metered(meter: CostMeter, make: Callable[[Any], Any], orig: Callable[..., A
                 if top:
                     meter.window_scheduler_ns += total
                     if meter.closing:  # this call ended the window's last step
-                        meter.close()
+                        try:
+                            meter.close()
+                        except Exception as exc:
+                            errors.record("cost_meter", exc)
     return metered
 
 

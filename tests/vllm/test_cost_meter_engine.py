@@ -82,8 +82,10 @@ def test_time_burned_inside_a_nested_kvguard_call_is_charged_to_kvguard_once(
     # almost nothing)...
     assert charged >= burn, (charged, burn)
     # ...and only once (charging it to the hook and again to schedule()'s hook would give
-    # twice the burn); kvguard's own time around it varies between rounds.
-    assert charged <= burn + 2 * baseline + 0.005, (charged, burn, baseline)
+    # twice the burn); kvguard's own time around it varies between rounds, and a loaded
+    # host preempts it now and then (measured: up to 0.1x the burn with a second suite
+    # running beside this one).
+    assert charged <= 1.5 * burn + 2 * baseline + 0.005, (charged, burn, baseline)
     assert h.guard.errors.total == 0
 
 
@@ -119,10 +121,11 @@ def test_scheduler_time_is_the_engines_entry_points_with_kvguards_part_inside(
     s1, c1, _ = totals(h)
     scheduler, kvguard, engine = c1 - c0, s1 - s0, (engine_ns[0] - e0) / 1e9
     assert engine > 0 and kvguard > 0
-    # scheduler = the entry hooks' own time + the engine's entry points (our clocks): more
-    # than the engine's, by no more than kvguard's own time (clock reads: 50 us of slack).
+    # scheduler = the entry hooks' own time + the engine's entry points (our clocks, inside
+    # kvguard's): more than the engine's, by no more than kvguard's own time, give or take
+    # what runs between kvguard's clock and ours (a call, or the host preempting it there).
     assert scheduler >= engine, (scheduler, engine)
-    assert scheduler - engine <= kvguard + 5e-5, (scheduler, engine, kvguard)
+    assert scheduler - engine <= kvguard + 0.002 + 0.05 * engine, (scheduler, engine, kvguard)
 
 
 def test_a_wrapper_set_over_a_kvguard_hook_is_never_replaced(
@@ -148,3 +151,28 @@ def test_a_wrapper_set_over_a_kvguard_hook_is_never_replaced(
     h.scheduler.schedule = ours
     steps = workload(h, 2)
     assert m.steps_total > 0 and h.guard.errors.total == 0
+
+
+def test_a_failing_meter_is_contained_and_the_engine_and_its_verdicts_go_on(
+        engines: Callable[..., Harness]) -> None:
+    """Closing a window fails (the switch raises): the engine finishes every request, the
+    failure is counted under its own name, and since the meter feeds no ledger event the
+    drained checkpoint still judges (clean, by vLLM's own pool: every block free)."""
+    h = engines()
+    g = h.guard
+    g.config = dataclasses.replace(g.config, cost_sample_every_steps=16)  # windows close
+    switch = g.meter._switch
+    assert switch is not None
+
+    def failing(metered: bool) -> bool:
+        if not metered:
+            raise RuntimeError("injected failure in kvguard's cost meter")
+        return switch(metered)
+
+    g.meter.attach(failing)
+    workload(h, 1)
+    assert not h.engine.has_unfinished_requests()
+    assert g.errors.by_hook["cost_meter"] >= 1
+    assert g.errors.ledger_errors == 0
+    assert h.pool.get_num_free_blocks() == h.num_usable()  # vLLM's own count
+    assert h.latest().verdict.value in ("clean", "saturated")

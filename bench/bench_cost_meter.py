@@ -10,6 +10,11 @@ time per step:
 - the benchmark's clocks (``bench_step_mix.self_time``, meter off): a clock at every
   boundary between kvguard and the engine, a separate implementation.
 
+Then, in a worker process per scheduling mode, target 7's workload (``bench_throughput``:
+128 requests through ``LLM.generate``) with every step metered: kvguard's own time as a
+share of the repetitions' wall time, the direct part of the end-to-end cost, which the
+paired throughput runs cannot resolve on this VM (their per-pair spread is 6-20 %).
+
 Reported: both per-step self times, the scheduler ratio each implies (scheduler time over
 scheduler time without kvguard's part: target 8's ratio), and their relative difference.
 ``BENCHMARKS.md`` judges the meter against the measurement with no clock in kvguard's
@@ -24,13 +29,63 @@ hook call in the metered steps, at most 0.3 us each (the clocks' cost, cold, per
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
-from common import RoundBudget, kvguard_hooks, save
+from common import MARK, RoundBudget, kvguard_hooks, reply, save
 
 ROUNDS_MIN, ROUNDS_MAX = 4, 12
 SECONDS = 60.0
 """Wall-time budget past the minimum (``KVGUARD_BENCH_METER_SECONDS``)."""
+
+
+DIRECT_REPETITIONS = 4
+"""Repetitions of target 7's workload per scheduling mode for the direct cost."""
+
+
+def direct_worker(scheduling: str) -> None:
+    """Target 7's workload (``bench_throughput``: 128 requests, ``LLM.generate``) with every
+    step metered: kvguard's own time against the repetitions' wall time, the direct part
+    of the end-to-end cost (what the paired throughput runs cannot resolve here)."""
+    import bench_throughput as tput
+
+    from kvguard.demo.engine import scheduler_of
+    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.vllm_plugin.guard import guard_of
+
+    llm = tput._warm_llm(scheduling, str(make_tiny_model(Path(tempfile.mkdtemp()))))
+    g = guard_of(scheduler_of(llm.llm_engine))
+    assert g is not None, "kvguard is not attached to the engine"
+    m = g.meter
+    s0, c0, n0 = m.self_ns_total, m.scheduler_ns_total, m.steps_total
+    wall = 0.0
+    for seed in range(1, DIRECT_REPETITIONS + 1):
+        llm.reset_prefix_cache()
+        wall += tput._repetition(llm, seed)["seconds"]
+    reply({"scheduling": scheduling, "steps": m.steps_total - n0, "wall_s": wall,
+           "self_s": (m.self_ns_total - s0) / 1e9,
+           "scheduler_s": (m.scheduler_ns_total - c0) / 1e9, "hook_errors": g.errors.total})
+    os._exit(0)
+
+
+def direct(scheduling: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, __file__, "direct", scheduling], text=True,
+                         capture_output=True, check=True,
+                         env={**os.environ, "KVGUARD_COST_SAMPLE_EVERY_STEPS": "1",
+                              "KVGUARD_RUN_DIR": tempfile.mkdtemp(prefix="kvguard-meter-")})
+    line = next(x for x in out.stdout.splitlines() if x.startswith(MARK))
+    row: dict[str, Any] = json.loads(line[len(MARK):])
+    row["self_share_of_wall"] = row["self_s"] / row["wall_s"]
+    row["self_share_of_scheduler"] = row["self_s"] / row["scheduler_s"]
+    print(f"direct cost, {scheduling}: kvguard {100 * row['self_share_of_wall']:.2f} % of "
+          f"wall time, {100 * row['self_share_of_scheduler']:.1f} % of scheduler time",
+          flush=True)
+    return row
 
 
 def main() -> None:
@@ -86,7 +141,8 @@ def main() -> None:
         "clocks_ratio": (c_engine + c_self) / c_engine,
         "hook_calls_per_step": pooled(clock_rows, "hook_calls"),
         "relative_difference": diff,
-        "hook_errors": g.errors.total})
+        "hook_errors": g.errors.total,
+        "direct": [direct(mode) for mode in ("sync", "async")]})
     print(f"meter {m_self:.1f} us/step ({m_sched / (m_sched - m_self):.3f}x), clocks "
           f"{c_self:.1f} us/step ({(c_engine + c_self) / c_engine:.3f}x): {100 * diff:+.1f} %",
           flush=True)
@@ -94,4 +150,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["direct"]:
+        direct_worker(sys.argv[2])
+    else:
+        main()

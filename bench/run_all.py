@@ -560,8 +560,22 @@ def render() -> str:
               "s) kept its budget. The run's length follows the VM's speed in the "
               "benchmarks that count rounds rather than seconds.",
               "",
-              "The whole run on 2026-12-04 at 13:02-13:12 UTC (every row above carries that "
-              "hour unless its date says otherwise), on a VM about 2.9x faster than the "
+              "The whole run on 2026-12-04 at 15:19-15:30 UTC, with the live cost meter in "
+              "(every row above carries that hour unless its date says otherwise): 10.8 min. "
+              "Target 8 on one engine: 1.116x +- 0.028 (the interception alone 1.002x +- "
+              "0.020, kvguard's work 1.114x +- 0.025); the meter, every step metered, reads "
+              "1.100x, inside that interval. Target 1 with the online audit on reads 1.026x "
+              "(quartiles 0.971-1.082) where the 13:03 run read 1.007x. Between the two runs "
+              "the engine-side code gained one countdown per step and, in that benchmark, "
+              "one refused meter window per 512 steps (its timing wrappers sit over "
+              "kvguard's hooks, so the meter never switches there): the difference is this "
+              "VM's spread in a 40-round median, and the row reads miss as measured. Target "
+              "7: sync 0.964x +- 0.033, async 0.984x +- 0.041, server 1.133x +- 0.302; the "
+              "meter puts kvguard's direct cost on that workload at 0.91-1.00 % of wall time "
+              "(section \"The live cost meter\").",
+              "",
+              "The run on 2026-12-04 at 13:02-13:12 UTC, before the cost meter, on a VM "
+              "about 2.9x faster than the "
               "evening before (the engine's scheduler step 889 vs 2537 us) and noisier: one "
               "repetition of target 7's workload, run 25 times in a row on one engine with "
               "kvguard off, took 0.89 s with a coefficient of variation of 12 % (24 % with "

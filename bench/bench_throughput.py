@@ -6,46 +6,66 @@ with a 256-block pool of 32 tokens and up to 64 requests scheduled per step, so 
 hits, queueing and preemption all happen. Throughput is output tokens per second of
 wall time, from the first request added to the last one finished.
 
-Three ways of running it, each kvguard on (the defaults: hooks, online audit, drained
-checkpoints with attribution) against kvguard off (``KVGUARD_ENABLED=0``):
+This VM's speed swings by about 10 % within a second (one repetition, about 1 s, run 20
+times in a row on one engine: a coefficient of variation of 10-12 %, in the process's
+CPU time as much as in the wall, with one OMP thread or two), so two sides measured one
+after the other differ by more than kvguard costs. The default modes therefore measure
+both sides at the same moments:
 
-- ``inproc-sync`` / ``inproc-async``: vLLM's ``LLM.generate`` in a worker process, one
-  worker with kvguard and one without, both alive and warm, with vLLM's synchronous or
-  async scheduling (the CPU build's override undone by the test tooling);
-- ``server``: two real OpenAI servers on 127.0.0.1, driven by the official ``openai``
-  client (``AsyncOpenAI``, 128 concurrent completions).
+- ``interleaved-sync`` / ``interleaved-async``: two ``LLM`` engines in one worker
+  process, both built with kvguard, vLLM's synchronous or async scheduling (the CPU
+  build's override undone by the test tooling). A repetition adds the same 128 requests
+  to both and steps them in turn (``LLMEngine.step``, what ``LLM.generate`` loops over),
+  the order alternating per step, with kvguard's hooks in on one engine and taken out on
+  the other (the engine's own methods back); each engine's time is the sum of its own
+  ``add_request`` and ``step`` calls. Both engines must take the same steps and produce
+  every token (checked). A pair is two repetitions with the roles swapped (kvguard on
+  engine 0, then on engine 1, the order alternating per pair), and its sample is the
+  geometric mean of the two throughput ratios (on / off), in which a speed difference
+  between the two engines themselves (about 1 % here, engine 0 the slower) cancels.
+  Garbage collections are timed and charged to the engine whose call they ran in
+  (reported: each side's share of its time). What this does not see: the cost of
+  kvguard's code on the CPU caches of the engine's own code in the next step, since the
+  other engine's step runs in between (in one engine, the model's forward does); the
+  publisher thread's serialization when it overlaps the other engine's step (0.09 % of
+  engine time at most, target 6).
+- ``interleaved-control-sync`` / ``-async``: the method checked on itself, kvguard's
+  hooks out on both engines, two treatments in turn: nothing (the interval must hold
+  1.00x) and a busy wait of ``KVGUARD_BENCH_THROUGHPUT_BURN_US`` (default 70 us) after
+  each step of the treated engine, timed with it (the interval must hold the ratio that
+  the wait's share of the time gives).
+- ``server``: two real OpenAI servers on 127.0.0.1, one with kvguard and one with
+  ``KVGUARD_ENABLED=0``, driven by the official ``openai`` client (``AsyncOpenAI``, 128
+  concurrent completions), one repetition each in turn.
+- ``inproc-sync`` / ``inproc-async`` (two worker processes running ``LLM.generate``, one
+  with kvguard and one without) and ``same-engine-sync`` / ``-async`` (one engine, its
+  hooks taken out for every other repetition), one repetition each in turn: the earlier
+  designs, kept for comparison. A process carries a bias of its own (two kvguard-off
+  processes measured 1.09x and 0.95x against each other in the step-mix benchmark), which
+  the ``inproc-*`` interval does not cover.
 
-- ``same-engine-sync`` / ``same-engine-async``: one ``LLM`` with kvguard, whose hooks
-  are taken out (the engine's own methods back) for every other repetition: no process
-  bias. Each process carries a bias of its own that pairs of repetitions cannot cancel
-  (the step-mix benchmark measured 1.09x and 0.95x between two processes that both ran
-  without kvguard), so ``inproc-*`` compares two processes and its interval does not
-  cover that bias; here both sides share the process, the engine and its memory. What
-  the "without" side still carries is kvguard's idle objects and its publisher thread
-  asleep. The prefix cache is reset before every repetition, on both sides, so that
-  neither hits the other's blocks.
+In the modes that alternate whole repetitions, the order alternates per pair (ABBA) and
+the per-pair throughput ratio (on / off) is the sample. Pairs are added until the 95 %
+interval of the mean ratio is within +-0.5 % (``interleaved-*`` past 10 pairs) or the
+mode's time budget (``KVGUARD_BENCH_THROUGHPUT_SECONDS``, default 90 s per mode) is spent;
+the interval reached is reported either way. Target: mean >= 0.99.
 
-The two sides run one repetition each in turn, the order alternating per pair (ABBA),
-so machine drift cancels within a pair; the per-pair throughput ratio (on / off) is the
-sample. Pairs are added until the 95 % interval of the mean ratio is within +-0.5 % or
-the mode's time budget (``KVGUARD_BENCH_THROUGHPUT_SECONDS``, default 80 s per mode) is
-spent; the interval reached is reported either way. Target: mean >= 0.99.
-
-``./scripts/bench`` runs ``same-engine-sync``, ``same-engine-async`` and ``server``
-(``DEFAULT_MODES``: the server is the path users run); ``KVGUARD_BENCH_THROUGHPUT_MODES``
-names others. The in-process two-process modes are left out of it: their interval does
-not cover the process bias, which is larger than the effect, and with their four engine
-start-ups the whole run took 30 min on this VM at its slow hours (target 5: 20). The
-narrowest interval comes from the long run of one mode,
+``./scripts/bench`` runs ``interleaved-control-sync``, ``interleaved-sync``,
+``interleaved-async`` and ``server`` (``DEFAULT_MODES``: the server is the path users
+run); ``KVGUARD_BENCH_THROUGHPUT_MODES`` names others. The server's two sides are two
+processes measured one after the other, so its interval stays about as wide as this VM's
+noise (+-30 % at 80 s); kvguard runs in its engine core, which the interleaved modes
+measure. A longer run of any mode goes to its own result file:
 ``KVGUARD_BENCH_THROUGHPUT_RESULT=throughput_long KVGUARD_BENCH_THROUGHPUT_SECONDS=1200
-KVGUARD_BENCH_THROUGHPUT_MODES=same-engine-sync``, committed as its own result file: on
-2026-12-03 it reached +-1.0 % in 146 pairs (6.3 % per pair); +-0.5 % would have needed
-about 600 pairs, and at this VM's noisier hours (11-12 % per pair) about 2,000.
+KVGUARD_BENCH_THROUGHPUT_MODES=same-engine-sync`` reached +-1.0 % in 146 pairs on
+2026-12-03 (6.3 % per pair), where an interleaved mode reaches +-0.5 % in 10-14 pairs
+(about 1 % per pair).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -53,7 +73,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, NamedTuple
 
 from common import Worker, kvguard_hooks, reply, save, set_hooks, t_interval
 
@@ -63,8 +83,12 @@ SUFFIX_TOKENS = 32
 OUTPUT_TOKENS = 96
 POOL_BLOCKS = 256
 MAX_SEQS = 64
-BUDGET_SECONDS = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_SECONDS", "80"))
+BUDGET_SECONDS = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_SECONDS", "90"))
 MIN_PAIRS = 6
+MIN_INTERLEAVED_PAIRS = 10
+"""An ``interleaved-*`` mode reaches the target's width in 10-14 pairs here: it stops no
+sooner than this, so that an interval that happens to be narrow early (a low spread by
+chance) does not end the run."""
 MAX_PAIRS = 400
 RESULT = os.environ.get("KVGUARD_BENCH_THROUGHPUT_RESULT", "throughput")
 """The result file's name (``bench/results/RESULT.json``): ``throughput`` for the run of
@@ -72,8 +96,13 @@ RESULT = os.environ.get("KVGUARD_BENCH_THROUGHPUT_RESULT", "throughput")
 than the whole benchmark run may take), which narrows the interval as far as this VM's
 noise allows."""
 TARGET_HALF_WIDTH = 0.005
-MODES = ("inproc-sync", "inproc-async", "same-engine-sync", "same-engine-async", "server")
-DEFAULT_MODES = ("same-engine-sync", "same-engine-async", "server")
+CONTROL_BURN_US = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_BURN_US", "70"))
+"""The ``interleaved-control-*`` modes' known cost: a busy wait of this many microseconds
+after every step of the treated engine (about 2 % of a step of this workload here)."""
+MODES = ("inproc-sync", "inproc-async", "same-engine-sync", "same-engine-async",
+         "interleaved-sync", "interleaved-async", "interleaved-control-sync",
+         "interleaved-control-async", "server")
+DEFAULT_MODES = ("interleaved-control-sync", "interleaved-sync", "interleaved-async", "server")
 SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
 """Both sides: vLLM iterates sets of request ids, so two processes with different hash
 seeds schedule (preempt, admit) differently and do different work."""
@@ -152,6 +181,217 @@ def toggle_worker(scheduling: str, model_dir: str) -> None:
         llm.reset_prefix_cache()  # neither side hits the blocks the other cached
         reply(_repetition(llm, int(seed)))
     os._exit(0)
+
+
+def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: int, *,
+                            hooked: bool, burn_seconds: float) -> dict[str, Any]:
+    """One repetition on both engines at once, stepped in turn. Engine ``on`` gets the
+    treatment: kvguard's hooks in (``hooked``; the other engine's are out, and with
+    ``hooked`` false both are out) and a busy wait of ``burn_seconds`` after each of its
+    steps, timed with it (the positive control's known cost). Each engine's wall time is
+    the sum of its own ``add_request`` and ``step`` calls (what ``LLM.generate`` spends on
+    it). The step order alternates per step, so neither engine always runs right after the
+    other. Garbage collections are timed and charged to the engine whose call they ran in."""
+    import gc
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    for i, llm in enumerate(llms):
+        set_hooks(hooks[i], hooked and i == on)
+        llm.reset_prefix_cache()  # neither side hits the blocks the other cached
+    engines = [llm.llm_engine for llm in llms]
+    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
+    pc = time.perf_counter
+    seconds, gc_seconds = [0.0, 0.0], [0.0, 0.0]
+    tokens, steps = [0, 0], [0, 0]
+    current = [0]
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = pc()
+        else:
+            gc_seconds[current[0]] += pc() - gc_started[0]
+
+    gc.callbacks.append(on_gc)
+    try:
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed)]
+        for i, engine in enumerate(engines):
+            current[0] = i
+            t = pc()
+            for r, p in enumerate(batch):
+                engine.add_request(f"rep{seed}-{r}", p, params)
+            seconds[i] += pc() - t
+        live = [True, True]
+        k = 0
+        while any(live):
+            for i in ((0, 1) if k % 2 == 0 else (1, 0)):
+                if not live[i]:
+                    continue
+                current[0] = i
+                t = pc()
+                outs = engines[i].step()
+                live[i] = engines[i].has_unfinished_requests()
+                if burn_seconds and i == on:
+                    until = pc() + burn_seconds
+                    while pc() < until:
+                        pass
+                seconds[i] += pc() - t
+                steps[i] += 1
+                tokens[i] += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+            k += 1
+    finally:
+        gc.callbacks.remove(on_gc)
+    return {"seconds": seconds, "gc_seconds": gc_seconds, "tokens": tokens, "steps": steps}
+
+
+def interleave_worker(scheduling: str, model_dir: str) -> None:
+    """Two ``LLM``s with kvguard in this process; each ``run SEED ON HOOKED BURN_US`` runs
+    one repetition on both, stepped in turn, the treatment on engine ON (0 or 1) only."""
+    from kvguard.demo.engine import scheduler_of
+
+    llms = [_warm_llm(scheduling, model_dir) for _ in range(2)]
+    hooks = [kvguard_hooks(scheduler_of(llm.llm_engine)) for llm in llms]
+    if not all(hooks):
+        raise RuntimeError("kvguard's hooks are not installed on both engines")
+    reply("ready")
+    for line in sys.stdin:
+        _, seed, on, hooked, burn_us = line.split()
+        reply(_interleaved_repetition(llms, hooks, int(seed), int(on), hooked=hooked == "1",
+                                      burn_seconds=float(burn_us) * 1e-6))
+    os._exit(0)
+
+
+class Treatment(NamedTuple):
+    """What the treated engine of an ``interleaved-*`` pair gets."""
+
+    name: str
+    hooked: bool
+    """kvguard's hooks in (else out on both engines)."""
+    burn_us: float
+    """A busy wait after each of its steps, in microseconds."""
+
+
+KVGUARD: Final = Treatment("kvguard", True, 0.0)
+CONTROLS: Final = (Treatment("null", False, 0.0), Treatment("burn", False, CONTROL_BURN_US))
+"""The ``interleaved-control-*`` modes' treatments, in turn: nothing (both engines the
+same: the ratio must be 1), and a busy wait of known length (the ratio must be the one
+its share of the treated engine's time gives)."""
+
+
+class _Pairs:
+    """The samples of one treatment: per pair, the geometric mean of its two repetitions'
+    throughput ratios (treated / untreated), so that a speed difference between the two
+    engines cancels."""
+
+    def __init__(self) -> None:
+        self.ratios: list[float] = []
+        self.engine_ratios: list[float] = []
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+        self.gc_share: dict[bool, list[float]] = {True: [], False: []}
+        self.steps: list[int] = []
+
+    def add(self, got: dict[int, dict[str, Any]]) -> None:
+        for on, out in got.items():
+            self.steps.append(out["steps"][0])
+            for i in (0, 1):
+                self.seconds[i == on].append(out["seconds"][i])
+                self.gc_share[i == on].append(out["gc_seconds"][i] / out["seconds"][i])
+        # throughput treated / untreated in each repetition: untreated time over treated
+        r0 = got[0]["seconds"][1] / got[0]["seconds"][0]
+        r1 = got[1]["seconds"][0] / got[1]["seconds"][1]
+        self.ratios.append(math.sqrt(r0 * r1))
+        self.engine_ratios.append(math.sqrt(r1 / r0))  # engine 0's time over engine 1's
+
+    def done(self) -> bool:
+        return (len(self.ratios) >= MIN_INTERLEAVED_PAIRS
+                and t_interval(self.ratios)[1] <= TARGET_HALF_WIDTH)
+
+    def row(self, mode: str) -> dict[str, Any]:
+        mean, half = t_interval(self.ratios)
+        tps = {k: REQUESTS * OUTPUT_TOKENS / statistics.median(v)
+               for k, v in self.seconds.items()}
+        return {"mode": mode, "pairs": len(self.ratios), "mean_ratio": mean,
+                "ci95_half_width": half, "median_ratio": statistics.median(self.ratios),
+                "ratios": self.ratios,
+                "tokens_per_second_on": tps[True], "tokens_per_second_off": tps[False],
+                "seconds_on": self.seconds[True], "seconds_off": self.seconds[False],
+                "engine_time_ratio": statistics.fmean(self.engine_ratios),
+                "gc_share_on": statistics.fmean(self.gc_share[True]),
+                "gc_share_off": statistics.fmean(self.gc_share[False]),
+                "steps_per_repetition": statistics.median(self.steps)}
+
+
+def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, object]:
+    """An ``interleaved-*`` mode: two engines in one worker, stepped in turn, so both sides
+    of a repetition see the machine at the same moments (this VM's speed swings by about
+    10 % within seconds, which no order of whole repetitions cancels). Each pair is two
+    repetitions with the roles swapped (the treatment on engine 0, then on engine 1; the
+    order alternating per pair). ``interleaved-control-*`` runs the method's own checks
+    in turn instead of kvguard (its hooks out on both engines): an empty treatment and a
+    busy wait of known length."""
+    control = mode.startswith("interleaved-control-")
+    scheduling = mode.removeprefix("interleaved-control-").removeprefix("interleaved-")
+    treatments = CONTROLS if control else (KVGUARD,)
+    worker = Worker(__file__, ["interleave", scheduling, str(model_dir)],
+                    {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
+                     "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}")}, log)
+    expected = REQUESTS * OUTPUT_TOKENS
+    pairs = {t.name: _Pairs() for t in treatments}
+    try:
+        for t in treatments:  # untimed: caches warm with each treatment on each engine
+            for on in (0, 1):
+                worker.ask(f"run 0 {on} {int(t.hooked)} {t.burn_us}")
+        started = time.monotonic()
+        n = 0
+        while n < MAX_PAIRS * len(treatments):
+            t = treatments[n % len(treatments)]
+            n += 1
+            got: dict[int, dict[str, Any]] = {}
+            for on in ((0, 1) if (n // len(treatments)) % 2 else (1, 0)):
+                out = worker.ask(f"run {n * 2 + on} {on} {int(t.hooked)} {t.burn_us}")
+                assert isinstance(out, dict)
+                if out["tokens"] != [expected, expected] or out["steps"][0] != out["steps"][1]:
+                    raise RuntimeError(f"{mode}: the two engines did different work "
+                                       f"(tokens {out['tokens']}, steps {out['steps']}; "
+                                       f"expected {expected} tokens each, equal steps)")
+                got[on] = out
+            pairs[t.name].add(got)
+            if n % len(treatments) == 0 and all(len(p.ratios) >= MIN_INTERLEAVED_PAIRS
+                                                for p in pairs.values()) and (
+                    all(p.done() for p in pairs.values())
+                    or time.monotonic() - started > BUDGET_SECONDS):
+                break
+    finally:
+        worker.close()
+    if not control:
+        row = pairs[KVGUARD.name].row(mode)
+    else:
+        null, burn = pairs["null"].row(mode), pairs["burn"].row(mode)
+        burn_s = CONTROL_BURN_US * 1e-6 * burn["steps_per_repetition"]
+        row = {"mode": mode, "burn_us_per_step": CONTROL_BURN_US,
+               # the ratio the burn alone gives: its share of the treated engine's time
+               "burn_expected_ratio": statistics.fmean(
+                   (s - burn_s) / s for s in burn["seconds_on"]),
+               "null": null, "burn": burn}
+    _print_interleaved(row)
+    return row
+
+
+def _print_interleaved(row: dict[str, Any]) -> None:
+    def one(r: dict[str, Any]) -> str:
+        return (f"mean throughput ratio {r['mean_ratio']:.4f} +- {r['ci95_half_width']:.4f} "
+                f"(95 %, {r['pairs']} pairs); {r['tokens_per_second_on']:.0f} vs "
+                f"{r['tokens_per_second_off']:.0f} tokens/s; engine 0 / engine 1 time "
+                f"{r['engine_time_ratio']:.4f}; garbage collection "
+                f"{100 * r['gc_share_on']:.2f} % treated, {100 * r['gc_share_off']:.2f} % not")
+    if "null" in row:
+        print(f"{row['mode']}: nothing: {one(row['null'])}", flush=True)
+        print(f"{row['mode']}: a {row['burn_us_per_step']:.0f} us busy wait per step "
+              f"(expected {row['burn_expected_ratio']:.4f}): {one(row['burn'])}", flush=True)
+    else:
+        print(f"{row['mode']}: {one(row)}", flush=True)
 
 
 class SameEngine:
@@ -295,6 +535,8 @@ def main() -> None:
         if mode == "server":
             rows.append(measure(mode, lambda on: ServerSide(model_dir, on,
                                                             tmp / f"server-{int(on)}.log")))
+        elif mode.startswith("interleaved-"):
+            rows.append(measure_interleaved(mode, model_dir, tmp / f"{mode}.log"))
         elif mode.startswith("same-engine-"):
             engine = SameEngine(mode, model_dir, tmp / f"{mode}.log")
             rows.append(measure(mode, engine.side))
@@ -313,6 +555,8 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "toggle"]:
         toggle_worker(sys.argv[3], sys.argv[4])
+    elif len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "interleave"]:
+        interleave_worker(sys.argv[3], sys.argv[4])
     elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2], sys.argv[3])
     else:

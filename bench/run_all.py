@@ -84,6 +84,9 @@ def _throughput_file_rows(d: dict[str, Any], *, long: bool) -> list[str]:
     w = d["workload"]
     out = []
     for row in d["rows"]:
+        if "null" in row:
+            out.append(_throughput_control_row(row, d["target_ci95_half_width"]))
+            continue
         verdict = _throughput_verdict(row, d["target_mean_ratio"],
                                       d["target_ci95_half_width"])
         how = {"inproc-sync": "in-process `LLM.generate`, sync scheduling, two processes",
@@ -92,6 +95,10 @@ def _throughput_file_rows(d: dict[str, Any], *, long: bool) -> list[str]:
                                    "kvguard's hooks in and out per repetition",
                "same-engine-async": "in-process `LLM.generate`, async scheduling, one "
                                     "engine: kvguard's hooks in and out per repetition",
+               "interleaved-sync": "in-process, sync scheduling, two engines in one "
+                                   "process stepped in turn, kvguard on one per repetition",
+               "interleaved-async": "in-process, async scheduling, two engines in one "
+                                    "process stepped in turn, kvguard on one per repetition",
                "server": "OpenAI server, `openai` client"}[row["mode"]]
         if long:
             how += (f"; the long run, {d['machine']['date']}, "
@@ -105,6 +112,29 @@ def _throughput_file_rows(d: dict[str, Any], *, long: bool) -> list[str]:
             f"{row['median_ratio']:.3f}x; {row['tokens_per_second_on']:,.0f} vs "
             f"{row['tokens_per_second_off']:,.0f} tokens/s | {verdict} |")
     return out
+
+
+def _throughput_control_row(row: dict[str, Any], target_half: float) -> str:
+    """The interleaved measure checked on itself (``interleaved-control-*``): with nothing
+    different between the engines its interval must hold 1.00x, and with a busy wait of
+    known length on one, the ratio that wait's share of the time gives. A check fails only
+    where its interval, at the target's width or narrower, misses the value."""
+    null, burn, expect = row["null"], row["burn"], row["burn_expected_ratio"]
+
+    def check(r: dict[str, Any], value: float) -> str:
+        m, h = r["mean_ratio"], r["ci95_half_width"]
+        if abs(m - value) <= h:
+            return "**pass**"
+        return "**fail**" if h <= target_half else "**not resolved**"
+
+    sched = row["mode"].removeprefix("interleaved-control-")
+    return (f"| 7 (method) | the interleaved measure ({sched} scheduling) shows no difference "
+            f"where there is none, and a known one where there is one | nothing different: "
+            f"**{null['mean_ratio']:.3f}x** +- {null['ci95_half_width']:.3f} ({null['pairs']} "
+            f"pairs; must hold 1.000x); a {row['burn_us_per_step']:.0f} us busy wait per step: "
+            f"**{burn['mean_ratio']:.3f}x** +- {burn['ci95_half_width']:.3f} ({burn['pairs']} "
+            f"pairs; must hold {expect:.3f}x, its share of the time) | {check(null, 1.0)}, "
+            f"{check(burn, expect)} |")
 
 
 def _throughput_verdict(row: dict[str, Any], target: float, target_half: float) -> str:

@@ -368,7 +368,7 @@ def _direct_cost_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"alone it would put throughput at {1 / (1 + worst):.3f}x at worst, against "
             "target 7's 0.99x; the meter's clock reads are in it (it errs high), and what it "
             "cannot see (kvguard's objects in the CPU caches, the publisher thread) is what "
-            "the paired throughput runs measure, within their wider intervals."]
+            "the interleaved throughput runs measure (target 7's rows)."]
 
 
 def render() -> str:

@@ -1,0 +1,95 @@
+"""The benchmarks' arithmetic: BENCHMARKS.md's target-7 verdicts are computed from their
+numbers, and the interleaved pairing cancels a speed difference between its two engines.
+
+Synthetic repetitions with a known treatment cost and a known engine bias are the ground
+truth here: these functions only do arithmetic, which no engine run could check as
+exactly. The measurements themselves are ``./scripts/bench``'s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _module(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # the scripts import their ``common`` module
+    try:
+        spec = importlib.util.spec_from_file_location(f"kvguard_bench_{name}",
+                                                      BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+run_all = _module("run_all")
+throughput = _module("bench_throughput")
+
+
+def _repetition(on: int, *, cost: float, engine0_slower: float, jitter: float) -> dict[str, Any]:
+    """One interleaved repetition: 1 s of work per engine, engine 0 ``engine0_slower``
+    times slower, the treated engine ``on`` ``cost`` times slower, the whole machine
+    ``jitter`` times slower at that moment (both engines alike: they ran interleaved)."""
+    seconds = [jitter * engine0_slower, jitter * 1.0]
+    seconds[on] *= cost
+    n = throughput.REQUESTS * throughput.OUTPUT_TOKENS
+    return {"seconds": seconds, "gc_seconds": [0.0, 0.0], "tokens": [n, n],
+            "steps": [254, 254]}
+
+
+def test_pairing_cancels_engine_bias_and_machine_speed() -> None:
+    pairs = throughput._Pairs()
+    for jitter in (1.0, 1.3, 0.8, 1.1):
+        got = {on: _repetition(on, cost=1.02, engine0_slower=1.05,
+                               jitter=jitter * (1.07 if on else 1.0))
+               for on in (0, 1)}
+        pairs.add(got)
+    # Throughput with the treatment over without: 1 / 1.02 in every pair, whatever the
+    # engines' own difference and however fast the machine ran each repetition.
+    assert pairs.ratios == pytest.approx([1 / 1.02] * 4, rel=1e-12)
+    assert statistics.fmean(pairs.engine_ratios) == pytest.approx(1.05, rel=1e-12)
+    row = pairs.row("interleaved-sync")
+    assert row["mean_ratio"] == pytest.approx(1 / 1.02)
+    assert row["ci95_half_width"] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize(("mean", "half", "expected"), [
+    (0.996, 0.004, "**pass**"),          # at the target's width: the mean decides
+    (0.987, 0.004, "**miss**"),
+    (1.010, 0.015, "**pass**"),          # wider, but wholly above 0.99
+    (0.960, 0.020, "**miss**"),          # wider, wholly below
+    (0.990, 0.030, "**not resolved**"),  # wider, straddling 0.99
+])
+def test_throughput_verdict_follows_the_numbers(mean: float, half: float,
+                                                expected: str) -> None:
+    row = {"mean_ratio": mean, "ci95_half_width": half, "ratios": [mean - half, mean + half]}
+    assert run_all._throughput_verdict(row, 0.99, 0.005).startswith(expected)
+
+
+def _control(null: tuple[float, float], burn: tuple[float, float],
+             expected: float) -> str:
+    def side(m: float, h: float) -> dict[str, Any]:
+        return {"mean_ratio": m, "ci95_half_width": h, "pairs": 11}
+    row = {"mode": "interleaved-control-sync", "burn_us_per_step": 70.0,
+           "burn_expected_ratio": expected, "null": side(*null), "burn": side(*burn)}
+    cell: str = run_all._throughput_control_row(row, 0.005).rsplit("|", 2)[1]
+    return cell.strip()
+
+
+def test_control_row_checks_both_values_against_their_intervals() -> None:
+    assert _control((1.003, 0.005), (0.984, 0.005), 0.982) == "**pass**, **pass**"
+    # An interval at the target's width that misses the value it must hold fails...
+    assert _control((0.997, 0.002), (0.970, 0.004), 0.982) == "**fail**, **fail**"
+    # ...a wider one that misses it only says it could not tell.
+    assert _control((0.990, 0.008), (0.982, 0.001), 0.982) == "**not resolved**, **pass**"

@@ -100,6 +100,10 @@ def _throughput_file_rows(d: dict[str, Any], *, long: bool) -> list[str]:
                "interleaved-async": "in-process, async scheduling, two engines in one "
                                     "process stepped in turn, kvguard on one per repetition",
                "server": "OpenAI server, `openai` client"}[row["mode"]]
+        spread = ""
+        if "process_means" in row:
+            spread = (f"over {row['processes']} processes, their means "
+                      + ", ".join(f"{m:.3f}" for m in row["process_means"]) + "; in all ")
         pairing = ("each of two repetitions with the roles swapped"
                    if row["mode"].startswith("interleaved-")
                    else "one repetition per side in turn, ABBA")
@@ -111,10 +115,44 @@ def _throughput_file_rows(d: dict[str, Any], *, long: bool) -> list[str]:
             f"{w['requests']} requests x {w['output_tokens']} tokens, shared "
             f"{w['prefix_tokens']}-token prefix, {w['pool_blocks']}-block pool) | mean "
             f"**{row['mean_ratio']:.3f}x** +- {row['ci95_half_width']:.3f} (95 %, "
-            f"{row['pairs']} pairs, {pairing}); median "
+            f"{spread}{row['pairs']} pairs, {pairing}); median "
             f"{row['median_ratio']:.3f}x; {row['tokens_per_second_on']:,.0f} vs "
             f"{row['tokens_per_second_off']:,.0f} tokens/s | {verdict} |")
     return out
+
+
+def _throughput_repeat_lines() -> list[str]:
+    """Target 7's interleaved modes run again, each in several worker processes one after
+    another (``KVGUARD_BENCH_THROUGHPUT_RESULT=throughput_repeat``, each mode named more
+    than once): how far one process's mean lies from the next, against the interval each
+    reports from its pairs, and the mean over processes with its interval over them (a
+    process carries a bias of its own, which no number of pairs in it can show)."""
+    from common import t_interval
+
+    path = HERE / "results" / "throughput_repeat.json"
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for row in d["rows"]:
+        by_mode.setdefault(row["mode"], []).append(row)
+    parts = []
+    for mode, rows in by_mode.items():
+        means = [r["mean_ratio"] for r in rows]
+        runs = ", ".join(f"{r['mean_ratio']:.4f}x +- {r['ci95_half_width']:.4f}" for r in rows)
+        if len(means) < 2:
+            parts.append(f"{mode}: {runs}")
+            continue
+        m, h = t_interval(means)
+        within = statistics.fmean(r["ci95_half_width"] for r in rows)
+        parts.append(f"{mode}, {len(rows)} processes: {runs}; over the processes "
+                     f"**{m:.4f}x +- {h:.4f}** (95 %, t over {len(rows)} process means, sd "
+                     f"{100 * statistics.stdev(means):.2f} % against the "
+                     f"+-{100 * within:.2f} % each process's pairs claim)")
+    return ["", "## Target 7 across processes", "",
+            f"The interleaved modes again, each in several worker processes one after "
+            f"another ({d['machine']['date']}, {d['budget_seconds_per_mode']:.0f} s per "
+            "process): " + "; ".join(parts) + "."]
 
 
 def _throughput_control_row(row: dict[str, Any], target_half: float) -> str:
@@ -154,7 +192,12 @@ def _throughput_verdict(row: dict[str, Any], target: float, target_half: float) 
         return f"**miss** (interval +-{100 * half:.1f} %)"
     ratios = row.get("ratios") or []
     need = ""
-    if len(ratios) > 1:
+    if len(row.get("process_means") or []) > 1:
+        sd = statistics.stdev(row["process_means"])
+        n = max(math.ceil((1.96 * sd / target_half) ** 2), len(row["process_means"]) + 1)
+        need = (f"; +-{100 * target_half:.1f} % needs about {n} processes at this spread "
+                f"(sd {100 * sd:.2f} % between processes)")
+    elif len(ratios) > 1:
         pairs = math.ceil((1.96 * statistics.stdev(ratios) / target_half) ** 2)
         need = (f"; +-{100 * target_half:.1f} % needs about {pairs:,} pairs at this "
                 f"spread (sd {100 * statistics.stdev(ratios):.1f} % per pair)")
@@ -723,6 +766,7 @@ def render() -> str:
               "in `tests/vllm/test_online_audit_engine.py`) reports the measured K and "
               "latency in its state (`online`) and metrics.",
               ]
+    lines += _throughput_repeat_lines()
     lines += _self_time_lines()
     lines += _cost_meter_lines()
     lines += _before_after()

@@ -93,3 +93,23 @@ def test_control_row_checks_both_values_against_their_intervals() -> None:
     assert _control((0.997, 0.002), (0.970, 0.004), 0.982) == "**fail**, **fail**"
     # ...a wider one that misses it only says it could not tell.
     assert _control((0.990, 0.008), (0.982, 0.001), 0.982) == "**not resolved**, **pass**"
+
+
+def _process_row(mean: float, half: float) -> dict[str, Any]:
+    n = throughput.REQUESTS * throughput.OUTPUT_TOKENS
+    return {"mean_ratio": mean, "ci95_half_width": half, "ratios": [mean] * 10,
+            "seconds_on": [n / 1000.0] * 20, "seconds_off": [n / 1010.0] * 20,
+            "engine_time_ratio": 1.01, "gc_share_on": 0.001, "gc_share_off": 0.001,
+            "steps_per_repetition": 254}
+
+
+def test_judged_over_processes_not_over_their_pairs() -> None:
+    # Three processes, each sure of itself to +-0.1 %, that disagree by about 0.5 %:
+    # the interval is the processes' (t with 2 degrees of freedom), not the pairs'.
+    row = throughput.across_processes(
+        "interleaved-async", [_process_row(m, 0.001) for m in (0.985, 0.990, 0.995)])
+    assert row["mean_ratio"] == pytest.approx(0.990)
+    assert row["ci95_half_width"] == pytest.approx(4.303 * 0.005 / 3 ** 0.5, rel=1e-3)
+    assert row["pairs"] == 30 and row["processes"] == 3
+    verdict = run_all._throughput_verdict(row, 0.99, 0.005)
+    assert verdict.startswith("**not resolved**") and "processes" in verdict

@@ -647,7 +647,7 @@ def render() -> str:
               "0.989x +- 0.005 (0.987, 0.989, 0.992): both not resolved against 0.99x, on "
               "either side of it by less than the interval. Pooling every process of the day "
               "(the same kvguard code): sync 1.001, 0.991, 0.996, 0.991, 0.990, 0.989, "
-              "0.988, 0.993, 0.988 (mean 0.991), async 0.988, 0.987, 0.992, 0.985, 0.991, "
+              "0.988, 0.993, 0.988 (mean 0.992), async 0.988, 0.987, 0.992, 0.985, 0.991, "
               "0.991, 0.990, 0.988, 0.987, 0.989, 0.992 (mean 0.989): kvguard costs about 1 "
               "% end to end on this model, which is where target 7 draws its line. The "
               "method's checks passed on this run (nothing different 1.002x +- 0.004; a 70 "

@@ -145,10 +145,11 @@ def _throughput_repeat_lines() -> list[str]:
             continue
         m, h = t_interval(means)
         within = statistics.fmean(r["ci95_half_width"] for r in rows)
-        parts.append(f"{mode}, {len(rows)} processes: {runs}; over the processes "
-                     f"**{m:.4f}x +- {h:.4f}** (95 %, t over {len(rows)} process means, sd "
+        each = "process" if all("processes" not in r for r in rows) else "run"
+        parts.append(f"{mode}, {len(rows)} {each}es: {runs}; over them "
+                     f"**{m:.4f}x +- {h:.4f}** (95 %, t over {len(rows)} means, sd "
                      f"{100 * statistics.stdev(means):.2f} % against the "
-                     f"+-{100 * within:.2f} % each process's pairs claim)")
+                     f"+-{100 * within:.2f} % each {each}'s own interval claims)")
     return ["", "## Target 7 across processes", "",
             f"The interleaved modes again, each in several worker processes one after "
             f"another ({d['machine']['date']}, {d['budget_seconds_per_mode']:.0f} s per "

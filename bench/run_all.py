@@ -145,8 +145,9 @@ def _throughput_repeat_lines() -> list[str]:
             continue
         m, h = t_interval(means)
         within = statistics.fmean(r["ci95_half_width"] for r in rows)
-        each = "process" if all("processes" not in r for r in rows) else "run"
-        parts.append(f"{mode}, {len(rows)} {each}es: {runs}; over them "
+        each, many = (("process", "processes") if all("processes" not in r for r in rows)
+                      else ("run", "runs"))
+        parts.append(f"{mode}, {len(rows)} {many}: {runs}; over them "
                      f"**{m:.4f}x +- {h:.4f}** (95 %, t over {len(rows)} means, sd "
                      f"{100 * statistics.stdev(means):.2f} % against the "
                      f"+-{100 * within:.2f} % each {each}'s own interval claims)")

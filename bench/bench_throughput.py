@@ -31,8 +31,8 @@ both sides at the same moments:
   engine time at most, target 6). A worker process carries a bias of its own, which its
   pairs cannot show (on 2026-12-04, four processes of the sync mode measured 0.9957,
   0.9905, 0.9896 and 0.9892, each claiming about +-0.45 %): each mode runs in
-  ``KVGUARD_BENCH_THROUGHPUT_PROCESSES`` (3) worker processes one after another, sharing
-  the mode's budget, and its mean and 95 % interval are over their means.
+  ``KVGUARD_BENCH_THROUGHPUT_PROCESSES`` (3) worker processes one after another, each
+  with half the mode's budget, and its mean and 95 % interval are over their means.
 - ``interleaved-control-sync`` / ``-async``: the method checked on itself, kvguard's
   hooks out on both engines, two treatments in turn: nothing (the interval must hold
   1.00x) and a busy wait of ``KVGUARD_BENCH_THROUGHPUT_BURN_US`` (default 70 us) after
@@ -404,7 +404,8 @@ def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, obje
     10 % within seconds, which no order of whole repetitions cancels). Each pair is two
     repetitions with the roles swapped (the treatment on engine 0, then on engine 1; the
     order alternating per pair). kvguard is measured in ``PROCESSES`` worker processes
-    one after another, sharing the mode's budget, and judged over them
+    one after another, each with half the mode's budget (10 pairs take 45-55 s here), and
+    judged over them
     (:func:`across_processes`). ``interleaved-control-*`` runs the method's own checks in
     one process, in turn instead of kvguard (its hooks out on both engines): an empty
     treatment and a busy wait of known length (neither depends on where a process's code
@@ -428,7 +429,7 @@ def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, obje
     for k in range(PROCESSES):
         one = _interleaved_process(mode, scheduling, (KVGUARD,), model_dir,
                                    log.with_name(f"{log.stem}-{k}.log"),
-                                   BUDGET_SECONDS / PROCESSES)
+                                   BUDGET_SECONDS / 2)
         per_process.append(one[KVGUARD.name].row(mode))
         _print_interleaved(per_process[-1])
     if len(per_process) == 1:  # KVGUARD_BENCH_THROUGHPUT_PROCESSES=1: its pairs' interval

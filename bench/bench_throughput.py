@@ -337,7 +337,7 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
                          model_dir: Path, log: Path, budget_seconds: float) -> dict[str, _Pairs]:
     """One worker process of an ``interleaved-*`` mode: pairs of each treatment in turn
     until every treatment's interval is within the target's width (past
-    ``MIN_INTERLEAVED_PAIRS``) or ``budget_seconds`` are spent."""
+    ``MIN_INTERLEAVED_PAIRS``), or ``budget_seconds`` are spent (past ``MIN_PAIRS``)."""
     worker = Worker(__file__, ["interleave", scheduling, str(model_dir)],
                     {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
                      "KVGUARD_RUN_DIR": str(log.parent / f"run-{log.stem}")}, log)

@@ -12,8 +12,8 @@ time per step:
 
 Then, in a worker process per scheduling mode, target 7's workload (``bench_throughput``:
 128 requests through ``LLM.generate``) with every step metered: kvguard's own time as a
-share of the repetitions' wall time, the direct part of the end-to-end cost, which the
-paired throughput runs cannot resolve on this VM (their per-pair spread is 6-20 %).
+share of the repetitions' wall time, the direct part of the end-to-end cost, to set
+beside the whole cost that target 7's interleaved throughput runs measure.
 
 Reported: both per-step self times, the scheduler ratio each implies (scheduler time over
 scheduler time without kvguard's part: target 8's ratio), and their relative difference.
@@ -51,7 +51,7 @@ DIRECT_REPETITIONS = 4
 def direct_worker(scheduling: str) -> None:
     """Target 7's workload (``bench_throughput``: 128 requests, ``LLM.generate``) with every
     step metered: kvguard's own time against the repetitions' wall time, the direct part
-    of the end-to-end cost (what the paired throughput runs cannot resolve here)."""
+    of the end-to-end cost (target 7's interleaved runs measure the whole of it)."""
     import bench_throughput as tput
 
     from kvguard.demo.engine import scheduler_of

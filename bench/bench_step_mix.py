@@ -47,6 +47,11 @@ CBA): the ratio splits into the interception's share (pass-through / without) an
 work's (with / pass-through). Then, in the first process, ``SELF_TIME_ROUNDS`` rounds with
 a clock at every boundary between kvguard and the engine: kvguard's own time per hook and
 per session method, per step: where the ratio comes from.
+
+``bench_step_mix.py seam`` (not in the default run; result ``step_mix_seam.json``): the
+what-if of the lifecycle-only seam, :func:`lifecycle_seam` run as a third way in each
+round of the same-engine measurement (kvguard as it ships, that seam, the engine alone):
+what a redesign that reads ownership only from vLLM's block tables would save.
 """
 
 from __future__ import annotations
@@ -136,6 +141,9 @@ MODES: Final = ("on", "bare", "off")
 """How a toggle round runs: kvguard's hooks (``on``), the engine's own methods (``off``),
 or a :func:`passthrough` wrapper on each method kvguard hooks (``bare``); a round with all
 three runs them in this order, then reversed."""
+SEAM_MODES: Final = ("on", "seam", "off")
+"""The what-if measurement (``bench_step_mix.py seam``): kvguard's hooks, the lifecycle-only
+seam (:func:`lifecycle_seam`), and the engine's own methods, in turn."""
 
 
 def passthrough(orig: Any) -> Any:
@@ -146,6 +154,37 @@ def passthrough(orig: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return orig(*args, **kwargs)
     return wrapper
+
+
+def lifecycle_seam(hooks: list[tuple[Any, str, Any]], ledger: Any) -> None:
+    """With kvguard's hooks in place, take out its block-pool hooks and release each
+    request's references at its free (``_free_request_blocks``) from its ledger record:
+    ownership read only from vLLM's block tables at the lifecycle events (the claims
+    kvguard makes there already), the seam earlier notes proposed to cut target 8's cost.
+
+    What-if only: it would lose what the pool hooks see (an allocation no table ever
+    holds, a free of a block with no reference: orphans and double frees named on their
+    path), so its cost is a lower bound for that design; the drained verdicts of its
+    rounds must still be clean or saturated (checked by the driver)."""
+    from kvguard.vllm_plugin.hooks import POOL_HOOKS
+
+    for obj, name, _ in hooks:
+        if name in POOL_HOOKS:
+            obj.__dict__.pop(name, None)
+    for obj, name, hook in hooks:
+        if name != "_free_request_blocks":
+            continue
+
+        def release_at_free(request: Any, *a: Any, _hook: Any = hook, **k: Any) -> Any:
+            try:
+                return _hook(request, *a, **k)
+            finally:
+                rec = ledger.record(request.request_id)
+                if rec is not None and rec.blocks:
+                    ledger.on_blocks_released(
+                        request.request_id,
+                        [b for b, n in rec.blocks.items() for _ in range(n)])
+        setattr(obj, name, release_at_free)
 
 
 def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
@@ -285,11 +324,12 @@ def worker(enabled: str) -> None:
     os._exit(0)
 
 
-def toggle_worker() -> None:
+def toggle_worker(modes: tuple[str, ...]) -> None:
     """One engine with kvguard; each round runs with its hooks in place, taken out (the
-    engine's own methods back), or replaced by :func:`passthrough` wrappers, as the driver
-    asks: ``run SEED on|off|bare``. The same engine, process and memory on every side, so
-    the ratios carry no process or engine bias.
+    engine's own methods back), replaced by :func:`passthrough` wrappers, or as the
+    lifecycle-only seam (:func:`lifecycle_seam`), as the driver asks: ``run SEED
+    on|off|bare|seam`` (one of ``modes``, each warmed up first). The same engine, process
+    and memory on every side, so the ratios carry no process or engine bias.
     ``selftime ROUNDS``: kvguard's own time per hook, from clocks at every hook boundary."""
     h, sched = _build_engine_on()
     hooks = kvguard_hooks(h.scheduler)
@@ -301,13 +341,15 @@ def toggle_worker() -> None:
         return dict(collections.Counter(r.verdict.value for r in h.guard.reports))
 
     def set_mode(mode: str) -> None:
-        set_hooks(hooks, mode == "on")  # schedule and update_from_output among them
+        set_hooks(hooks, mode in ("on", "seam"))  # schedule and update_from_output among them
         if mode == "bare":
             for obj, name, _ in hooks:
                 setattr(obj, name, passthrough(getattr(type(obj), name).__get__(obj)))
-        timed(sched, samples, tags, h.guard if mode == "on" else None)
+        if mode == "seam":
+            lifecycle_seam(hooks, h.guard.ledger)
+        timed(sched, samples, tags, h.guard if mode in ("on", "seam") else None)
 
-    for mode in MODES:
+    for mode in modes:
         set_mode(mode)
         run_round(h, 0)  # warm-up, every way
     reply("ready")
@@ -440,7 +482,8 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
 
 
 def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
-                   floor: bool = False, processes: int = TOGGLE_PROCESSES,
+                   floor: bool = False, seam: bool = False,
+                   processes: int = TOGGLE_PROCESSES,
                    seconds: float = TOGGLE_SECONDS,
                    seconds_env: str = "KVGUARD_BENCH_MIX_TOGGLE_SECONDS") -> dict[str, Any]:
     """The same engine with kvguard's hooks in and out, per round (ABBA), in ``processes``
@@ -448,11 +491,17 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     of wall time (:class:`RoundBudget`); then kvguard's own time per hook in the first one
     (``self_time``), and what its drained audits said in each. ``floor``: each round also
     runs with :func:`passthrough` wrappers (ABC, CBA), which splits the ratio into the
-    interception's (bare / off) and kvguard's work's (on / bare)."""
-    modes = MODES if floor else ("on", "off")
+    interception's (bare / off) and kvguard's work's (on / bare). ``seam`` (instead):
+    each round also runs the lifecycle-only seam (:func:`lifecycle_seam`); reported: its
+    ratio to the engine alone and, per round, to kvguard as it ships (what the seam
+    would save). Only kvguard's own hooks are clocked (``self_time``), where the time of
+    the pool hooks the seam takes out shows."""
+    modes = MODES if floor else SEAM_MODES if seam else ("on", "off")
     per_round: list[float] = []
     per_round_bare: list[float] = []
     per_round_work: list[float] = []
+    per_round_seam: list[float] = []
+    per_round_saved: list[float] = []
     per_process: list[float] = []
     us: dict[str, list[float]] = {m: [] for m in modes}
     mismatched = 0
@@ -460,7 +509,7 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     verdicts: collections.Counter[str] = collections.Counter()
     unaudited = 0
     for p in range(processes):
-        w = Worker(__file__, ["toggle"], env, tmp / f"toggle-{p}.log")
+        w = Worker(__file__, ["toggle", *modes], env, tmp / f"toggle-{p}.log")
         try:
             mine: dict[str, list[float]] = {m: [] for m in modes}
             budget = RoundBudget(seconds_env, seconds,
@@ -484,6 +533,9 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                 if floor:
                     per_round_bare.append(mean_of["bare"] / mean_of["off"])
                     per_round_work.append(mean_of["on"] / mean_of["bare"])
+                if seam:
+                    per_round_seam.append(mean_of["seam"] / mean_of["off"])
+                    per_round_saved.append(mean_of["seam"] / mean_of["on"])
             per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
             for k in us:
                 us[k] += mine[k]
@@ -512,6 +564,13 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                         "work_mean_ratio": work_mean, "work_interval_half": work_half,
                         "per_round_bare_ratio": per_round_bare,
                         "per_round_work_ratio": per_round_work, "bare_us": stats(us["bare"])}
+    if seam:
+        seam_mean, seam_half = t_interval(per_round_seam)
+        vs_mean, vs_half = t_interval(per_round_saved)
+        out["seam"] = {"mean_ratio": seam_mean, "interval_half": seam_half,
+                       "per_round_ratio": per_round_seam, "us": stats(us["seam"]),
+                       "vs_shipped_mean_ratio": vs_mean, "vs_shipped_interval_half": vs_half,
+                       "per_round_vs_shipped_ratio": per_round_saved}
     return out
 
 
@@ -616,7 +675,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker" and sys.argv[2] == "toggle":
-        toggle_worker()
+        toggle_worker(tuple(sys.argv[3:]) or MODES)
     elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2])
     elif sys.argv[1:] == ["toggle"]:  # the same-engine measurement alone (minutes, not tens)
@@ -626,5 +685,19 @@ if __name__ == "__main__":
                                 Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")),
                                 floor=True)
         print(json.dumps(result, indent=1))
+    elif sys.argv[1:] == ["seam"]:  # the what-if of the lifecycle-only seam (minutes)
+        os.environ.setdefault("VLLM_PLUGINS", "kvguard")
+        result = measure_toggle({"PYTHONHASHSEED": "0",
+                                 "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
+                                Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")),
+                                seam=True)
+        save("step_mix_seam", result)
+        print(f"kvguard {result['mean_ratio']:.4f} +- {result['interval_half']:.4f}, "
+              f"lifecycle-only seam {result['seam']['mean_ratio']:.4f} +- "
+              f"{result['seam']['interval_half']:.4f} (against kvguard "
+              f"{result['seam']['vs_shipped_mean_ratio']:.4f} +- "
+              f"{result['seam']['vs_shipped_interval_half']:.4f}) over {result['rounds']} rounds; "
+              f"verdicts {result['verdicts']}", flush=True)
+        os._exit(0)
     else:
         main()

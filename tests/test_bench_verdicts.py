@@ -113,3 +113,31 @@ def test_judged_over_processes_not_over_their_pairs() -> None:
     assert row["pairs"] == 30 and row["processes"] == 3
     verdict = run_all._throughput_verdict(row, 0.99, 0.005)
     assert verdict.startswith("**not resolved**") and "processes" in verdict
+
+
+def _seam_result(seam: float, half: float, verdicts: dict[str, int]) -> dict[str, Any]:
+    return {"machine": {"date": "2026-12-04 19:40 UTC"}, "mean_ratio": 1.08,
+            "interval_half": 0.03, "rounds": 72, "processes": 3, "rounds_mismatched": 0,
+            "verdicts": verdicts,
+            "self_time": {"kvguard_us_per_step": 120.0,
+                          "rows": {"hook get_new_blocks": {"us_per_step": 17.0},
+                                   "hook touch": {"us_per_step": 6.0},
+                                   "hook free_blocks": {"us_per_step": 9.0},
+                                   "session claim": {"us_per_step": 16.0}}},
+            "seam": {"mean_ratio": seam, "interval_half": half,
+                     "vs_shipped_mean_ratio": seam / 1.08, "vs_shipped_interval_half": 0.02}}
+
+
+@pytest.mark.parametrize(("seam", "half", "verdicts", "expected"), [
+    (1.073, 0.029, {"clean": 6, "saturated": 147}, "beyond the target's 1.02x"),
+    (1.010, 0.005, {"clean": 6}, "within the target's 1.02x"),
+    (1.025, 0.010, {"saturated": 5}, "not resolved"),
+    (1.010, 0.005, {"clean": 5, "leak": 1}, "**not valid**"),
+])
+def test_seam_what_if_row_follows_its_numbers(seam: float, half: float,
+                                              verdicts: dict[str, int], expected: str) -> None:
+    (row,) = run_all._seam_row_of(_seam_result(seam, half, verdicts), 1.02)
+    verdict = row.rsplit("|", 2)[1]
+    assert expected in verdict
+    # The pool hooks' share is summed from the clocked rows, the claims left out.
+    assert "32.0 of kvguard's 120.0 us per step" in row

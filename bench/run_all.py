@@ -721,6 +721,23 @@ def render() -> str:
               "than at 16:45 (9,600-10,400 against 11,000-11,700 tokens/s), hence the wider "
               "intervals per process.",
               "",
+              "The server row, tried on 2026-12-04 at 19:45-20:05 UTC and not kept: two "
+              "servers given the same 128 requests at once and time-sliced by their process "
+              "groups (SIGSTOP/SIGCONT from a separate process, 20 ms each in turn; each "
+              "side's time is its running time until its last response), so that both see "
+              "the machine at the same moments, as the interleaved rows do. With kvguard off "
+              "on both, a repetition's ratio still spread by 10-17 % (sd over 4-5 "
+              "repetitions), because the work itself differs: vLLM's own counters showed "
+              "the same requests taking 252 steps on one server and 482 on the other in the "
+              "same repetition (requests reach each engine between different steps, so it "
+              "batches them differently), and even with equal steps (253 and 252) the "
+              "process groups' CPU time differed by 30 % (1.94 and 2.52 s). The in-process "
+              "rows control this (every request is added before the first step, both "
+              "engines must take the same steps); a server cannot, so at this spread its "
+              "row needs thousands of pairs for +-0.5 %, whatever the design of the "
+              "comparison. kvguard's code in a server is the engine core's, which the "
+              "interleaved rows measure.",
+              "",
               "The whole run on 2026-12-04 at 16:45-16:58 UTC (12.2 min), with target 7 "
               "measured interleaved in one process per mode (the rows above carried that "
               "hour then): two engines in one process, stepped in turn, so both sides of a "

@@ -164,8 +164,10 @@ def lifecycle_seam(hooks: list[tuple[Any, str, Any]], ledger: Any) -> None:
 
     What-if only: it would lose what the pool hooks see (an allocation no table ever
     holds, a free of a block with no reference: orphans and double frees named on their
-    path), so its cost is a lower bound for that design; the drained verdicts of its
-    rounds must still be clean or saturated (checked by the driver)."""
+    path), so its cost is a lower bound for that design. A preemption frees through
+    ``_free_request_blocks`` too (vLLM 0.32), so its references are released there. The
+    drained verdicts of its rounds must still be clean or saturated (the driver reports
+    them)."""
     from kvguard.vllm_plugin.hooks import POOL_HOOKS
 
     for obj, name, _ in hooks:

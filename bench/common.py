@@ -118,11 +118,12 @@ class Worker:
     """
 
     def __init__(self, script: str, args: Sequence[str], env: dict[str, str],
-                 log: Path) -> None:
+                 log: Path, python: str = sys.executable) -> None:
+        """``python``: the interpreter (another venv's, for another vLLM release)."""
         import subprocess
 
         self.log = log
-        self.proc = subprocess.Popen([sys.executable, script, "worker", *args],
+        self.proc = subprocess.Popen([python, script, "worker", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=log.open("wb"), text=True,
                                      env={**os.environ, **env})

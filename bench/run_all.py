@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SCRIPTS = ["bench_hook_overhead.py", "bench_step_mix.py", "bench_throughput.py",
            "bench_audit.py", "bench_scrape.py", "bench_memory.py", "bench_transport.py",
-           "bench_publisher.py", "bench_cost_meter.py"]
+           "bench_publisher.py", "bench_cost_meter.py", "bench_scheduler_versions.py"]
 
 
 def load(name: str) -> dict:  # type: ignore[type-arg]
@@ -245,7 +245,7 @@ def _step_mix_rows() -> list[str]:
     if not same:
         verdict = "**not comparable** (the sides took different steps)"
     return [*_toggle_row(d, target), *_floor_row(d, target), *_paced_row(d, target),
-            *_seam_row(target),
+            *_seam_row(target), *_releases_row(target),
         f"| 8 | scheduler time per step <= 1.02x (mean), every step counted, prefix hits, "
         f"preemption, aborts, spec decode | {measured} ({w['mean']:.0f} "
         f"vs {wo['mean']:.0f} us, {d['rounds']} rounds of {w['n'] / d['rounds']:.0f} steps, "
@@ -305,6 +305,47 @@ def _floor_row(d: dict[str, Any], target: float) -> list[str]:
         f"each mode in turn, ABC then CBA); {f['bare_us']['mean']:.0f} us per step with "
         f"pass-through wrappers | measured (the interception alone is "
         f"{f'{side} it' if side else 'not resolved against'} the target's {target:.2f}x) |"]
+
+
+def _releases_row(target: float) -> list[str]:
+    """Target 8 per vLLM release (``bench_scheduler_versions.py``): kvguard on the real
+    scheduler of 0.32 and 0.33, stepped without a model. Measured, not the target's engine
+    measure; valid where both sides did the same work and no drained audit said leak."""
+    path = HERE / "results" / "scheduler_versions.json"
+    return _releases_row_of(json.loads(path.read_text()), target) if path.exists() else []
+
+
+def _releases_row_of(d: dict[str, Any], target: float) -> list[str]:
+    """:func:`_releases_row` from the result ``d`` of ``bench_scheduler_versions.py``."""
+    rows = d["releases"]
+    if not rows:
+        return []
+    parts, notes = [], []
+    for r in rows:
+        v = dict(r["verdicts"])
+        parts.append(
+            f"vLLM {r['vllm']}: **{r['mean_ratio']:.3f}x** +- {r['interval_half']:.3f} "
+            f"({r['rounds']} rounds; {r['without_us']['mean']:.0f} us per step without; "
+            f"{r['steps_per_round']:.0f} steps, {r['preemptions_per_round']:.1f} preemptions "
+            f"and {r['prefix_hit_tokens_per_round']:,.0f} prefix-hit tokens per round; "
+            "drained verdicts " + ", ".join(f"{k} {n}" for k, n in sorted(v.items())) + ")")
+        if v.get("leak") or r["rounds_mismatched"]:
+            notes.append(f"**not valid** on {r['vllm']} (a leak verdict or different work)")
+    same_work = len({(r["steps_per_round"], r["preemptions_per_round"]) for r in rows}) == 1
+    return [
+        f"| 8 (releases) | the same hooks on vLLM's real scheduler, stepped without a model, "
+        f"per release (vLLM 0.33's model runner does not run on CPU): "
+        f"{d['requests']} requests in 4 prefix groups, a pool too small for "
+        f"them (preemption), aborts; hooks in and out per round (ABBA) | "
+        + "; ".join(parts)
+        + ("; every round the same work with kvguard in and out"
+           if not any(r["rounds_mismatched"] for r in rows) else "")
+        + ("; the same work on every release" if same_work else "")
+        + " | " + ("; ".join(notes) if notes else
+                   "measured (it compares the releases: no forward pass between steps, "
+                   "so kvguard's code stays in the CPU caches, and a smaller step than the "
+                   f"engine's step mix; the target, {target:.2f}x, is for the engine)")
+        + " |"]
 
 
 def _seam_row(target: float) -> list[str]:

@@ -141,3 +141,26 @@ def test_seam_what_if_row_follows_its_numbers(seam: float, half: float,
     assert expected in verdict
     # The pool hooks' share is summed from the clocked rows, the claims left out.
     assert "32.0 of kvguard's 120.0 us per step" in row
+
+
+def _release(vllm: str, *, mismatched: int = 0, leak: int = 0) -> dict[str, Any]:
+    return {"vllm": vllm, "rounds": 40, "mean_ratio": 1.09, "interval_half": 0.02,
+            "without_us": {"mean": 320.0}, "steps_per_round": 164.0,
+            "preemptions_per_round": 18.6, "prefix_hit_tokens_per_round": 2200.0,
+            "rounds_mismatched": mismatched,
+            "verdicts": {"saturated": 40, **({"leak": leak} if leak else {})}}
+
+
+@pytest.mark.parametrize(("releases", "valid"), [
+    ([_release("0.32.0"), _release("0.33.0")], True),
+    ([_release("0.32.0"), _release("0.33.0", leak=1)], False),
+    ([_release("0.32.0", mismatched=2), _release("0.33.0")], False),
+])
+def test_releases_row_is_valid_only_with_the_same_work_and_no_leak(
+        releases: list[dict[str, Any]], valid: bool) -> None:
+    (row,) = run_all._releases_row_of({"releases": releases, "requests": 48}, 1.02)
+    verdict = row.rsplit("|", 2)[1]
+    assert ("not valid" in verdict) is not valid
+    assert ("every round the same work" in row) is not any(r["rounds_mismatched"]
+                                                           for r in releases)
+    assert "vLLM 0.32.0: **1.090x**" in row and "vLLM 0.33.0: **1.090x**" in row

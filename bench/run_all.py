@@ -744,8 +744,24 @@ def render() -> str:
               "s) kept its budget. The run's length follows the VM's speed in the "
               "benchmarks that count rounds rather than seconds.",
               "",
-              "The whole run on 2026-12-04 at 17:38-17:54 UTC (15.3 min; every row above "
-              "carries it unless its date says otherwise), with target 7's interleaved modes "
+              "The whole run on 2026-12-04 at 20:21-20:37 UTC (16.0 min; every row above "
+              "carries it unless its date says otherwise), on the same kvguard code as the "
+              "17:38 run below, with the scheduler-level comparison of vLLM 0.32 and 0.33 "
+              "added (row \"8 (releases)\", 50 s: 1.102x +- 0.050 and 1.100x +- 0.015, the "
+              "same 165 steps and 18.6 preemptions per round on both; a standalone run at "
+              "20:20 read 1.093x +- 0.017 and 1.086x +- 0.037). Target 7: sync 0.991x +- "
+              "0.008 (process means 0.995, 0.989, 0.989), async 0.988x +- 0.008 (0.987, "
+              "0.991, 0.985), both not resolved against 0.99x again; every process of the "
+              "day, this run's included: sync 12, mean 0.992, async 14, mean 0.989. The "
+              "method's checks passed (nothing different 1.002x +- 0.007; the 70 us busy "
+              "wait 0.977x +- 0.005 against 0.981x). Target 8 on one engine 1.086x +- 0.022 "
+              "(the interception alone 1.000x +- 0.023). Target 1 with the online audit on "
+              "reads 1.028x, a miss as computed (quartiles 0.988-1.054; 1.017x at 17:38, "
+              "1.026x at 15:19, 1.007x at 13:03 on the same hooks): a 40-round median on "
+              "this VM scatters by about +-1 %, and the target sits inside that scatter.",
+              "",
+              "The whole run on 2026-12-04 at 17:38-17:54 UTC (15.3 min; the rows above "
+              "carried it then), with target 7's interleaved modes "
               "judged over 3 worker processes each. The run at 16:45 (below) and the repeat "
               "runs (section \"Target 7 across processes\") showed why: four processes of the "
               "sync mode in one hour read 0.9957, 0.9905, 0.9896 and 0.9892, each claiming "

@@ -1,5 +1,6 @@
-"""The benchmarks' arithmetic: BENCHMARKS.md's target-7 verdicts are computed from their
-numbers, and the interleaved pairing cancels a speed difference between its two engines.
+"""The benchmarks' arithmetic: BENCHMARKS.md's verdicts (targets 1, 7 and 8's measured rows)
+are computed from their numbers, and the interleaved pairing cancels a speed difference
+between its two engines.
 
 Synthetic repetitions with a known treatment cost and a known engine bias are the ground
 truth here: these functions only do arithmetic, which no engine run could check as
@@ -9,6 +10,7 @@ exactly. The measurements themselves are ``./scripts/bench``'s.
 from __future__ import annotations
 
 import importlib.util
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -164,3 +166,23 @@ def test_releases_row_is_valid_only_with_the_same_work_and_no_leak(
     assert ("every round the same work" in row) is not any(r["rounds_mismatched"]
                                                            for r in releases)
     assert "vLLM 0.32.0: **1.090x**" in row and "vLLM 0.33.0: **1.090x**" in row
+
+
+def test_median_interval_is_the_binomial_order_statistics() -> None:
+    # The ranks every table gives (40 rounds: the 14th and 27th; 100: the 40th and 61st),
+    # and the exact coverage they promise, computed here from the binomial itself.
+    assert run_all.median_interval(list(range(1, 41))) == (14, 27)
+    assert run_all.median_interval(list(range(100, 0, -1))) == (40, 61)
+    n, k = 40, 14
+    coverage = sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2 ** n
+    assert coverage >= 0.95
+    assert sum(math.comb(n, i) for i in range(k + 1, n - k)) / 2 ** n < 0.95  # the narrowest
+    assert run_all.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: the range
+
+
+@pytest.mark.parametrize(("shift", "expected"), [
+    (0.97, "**pass**"), (1.07, "**miss**"), (1.02, "**not resolved**")])
+def test_target_1_is_judged_by_the_medians_interval(shift: float, expected: str) -> None:
+    # 40 rounds spread +-2 % around ``shift``: the interval's side of 1.02 decides.
+    xs = [shift + 0.001 * (i - 20) for i in range(40)]
+    assert run_all._median_verdict(xs, 1.02).startswith(expected)

@@ -945,7 +945,7 @@ def render() -> str:
               "rounds that run the three engines back to back; the criterion is the median "
               "of the per-round ratios (each round compares engines minutes apart at most, "
               "so machine drift cancels; on this 2-core VM single rounds scatter by +-5 %), "
-              "judged by its distribution-free 95 % interval (since 2026-12-04 20:45 UTC: "
+              "judged by its distribution-free 95 % interval (since 2026-12-04 20:40 UTC: "
               "the median alone flipped between pass and miss from run to run). "
               "Means are higher than medians for kvguard with or without the online audit "
               "(rare slow steps, e.g. garbage collection of kvguard's objects). The online "

@@ -145,6 +145,45 @@ def test_seam_what_if_row_follows_its_numbers(seam: float, half: float,
     assert "32.0 of kvguard's 120.0 us per step" in row
 
 
+def _compiled_result(*, compiled_suffix: str = ".so", mismatched: int = 0,
+                     leak: int = 0) -> dict[str, Any]:
+    def side(self_us: float, sched_us: float) -> dict[str, Any]:
+        return {"self_us": {"mean": self_us}, "scheduler_us": {"mean": sched_us},
+                "share_of_scheduler": self_us / sched_us,
+                "implied_ratio": sched_us / (sched_us - self_us)}
+
+    return {"machine": {"date": "2026-12-04 22:00 UTC"},
+            "compiled_modules": ["kvguard/core/ledger.py", "kvguard/vllm_plugin/hooks.py"],
+            "compile_seconds": 258.0, "rounds": 24, "processes": 3,
+            "rounds_mismatched": mismatched,
+            "loaded": {"interpreted": {"kvguard.core.ledger": ".py",
+                                       "kvguard.vllm_plugin.hooks": ".py"},
+                       "compiled": {"kvguard.core.ledger": compiled_suffix,
+                                    "kvguard.vllm_plugin.hooks": ".so"}},
+            "verdicts": {"saturated": 30, **({"leak": leak} if leak else {})},
+            "self_ratio_mean": 0.85, "self_ratio_interval_half": 0.03,
+            "per_process_self_ratio": [0.84, 0.86, 0.85],
+            "sides": {"interpreted": side(95.0, 950.0), "compiled": side(80.0, 935.0)}}
+
+
+@pytest.mark.parametrize(("kwargs", "valid"), [
+    ({}, True),
+    ({"compiled_suffix": ".py"}, False),  # mypyc's module not imported: nothing compared
+    ({"mismatched": 1}, False),
+    ({"leak": 1}, False),
+])
+def test_compiled_what_if_row_is_valid_only_when_compiled_code_did_the_same_work(
+        kwargs: dict[str, Any], valid: bool) -> None:
+    (row,) = run_all._compiled_row_of(_compiled_result(**kwargs), 1.02)
+    verdict = row.rsplit("|", 2)[1]
+    assert ("not valid" in verdict) is not valid
+    assert "**0.850x** +- 0.030" in row
+    # The ratio target 8 states, from each side's own numbers: 935 / (935 - 80).
+    assert f"{935 / 855:.3f}x vs {950 / 855:.3f}x" in row
+    if valid:
+        assert "beyond the target's 1.02x" in verdict
+
+
 def _release(vllm: str, *, mismatched: int = 0, leak: int = 0) -> dict[str, Any]:
     return {"vllm": vllm, "rounds": 40, "mean_ratio": 1.09, "interval_half": 0.02,
             "without_us": {"mean": 320.0}, "steps_per_round": 164.0,

@@ -52,6 +52,12 @@ per session method, per step: where the ratio comes from.
 what-if of the lifecycle-only seam, :func:`lifecycle_seam` run as a third way in each
 round of the same-engine measurement (kvguard as it ships, that seam, the engine alone):
 what a redesign that reads ownership only from vLLM's block tables would save.
+``bench_step_mix.py groups`` (not in the default run; result ``step_mix_groups.json``): the
+same engine with kvguard whole, each group of its hooks alone, and none: where the cost
+lives, with no clock in kvguard's code. ``bench_step_mix.py batched`` (not in the default
+run; result ``step_mix_batched.json``):
+the same with :func:`batched_seam`, allocations and prefix hits read once per step from
+the batch vLLM builds (``SchedulerOutput``), instead of from the pool.
 """
 
 from __future__ import annotations
@@ -146,6 +152,25 @@ SEAM_MODES: Final = ("on", "seam", "off")
 seam (:func:`lifecycle_seam`), and the engine's own methods, in turn."""
 
 
+BATCHED_MODES: Final = ("on", "batched", "off")
+"""The other what-if (``bench_step_mix.py batched``): kvguard's hooks, allocations read from
+each step's ``SchedulerOutput`` (:func:`batched_seam`), and the engine's own methods."""
+
+
+GROUP_MODES: Final = ("on", "life", "pool", "stepend", "off")
+"""Where the cost lives, measured with no clock in kvguard (``bench_step_mix.py groups``):
+kvguard whole, then each group of its hooks alone (:data:`HOOK_GROUPS`), then none."""
+HOOK_GROUPS: Final = {
+    "life": ("add_request", "_preempt_request", "_free_request", "_free_request_blocks",
+             "_free_blocks", "finish_requests", "remove_skipped_blocks"),
+    "pool": ("get_new_blocks", "touch", "free_blocks", "unpin_blocks"),
+    "stepend": ("schedule", "update_from_output"),
+}
+"""kvguard's hooks by what they do: the request lifecycle (admissions, preemptions,
+finishes, frees: the claims run here), the block pool's events, and the step end (the
+drained checkpoints, the online audit and publishing run there)."""
+
+
 def passthrough(orig: Any) -> Any:
     """A wrapper of a kvguard hook's shape (a Python frame around the engine's call; a
     hook's ``try`` costs nothing on CPython 3.11 unless it raises) that does no work: with
@@ -187,6 +212,54 @@ def lifecycle_seam(hooks: list[tuple[Any, str, Any]], ledger: Any) -> None:
                         request.request_id,
                         [b for b, n in rec.blocks.items() for _ in range(n)])
         setattr(obj, name, release_at_free)
+
+
+def batched_seam(hooks: list[tuple[Any, str, Any]], guard: Any) -> None:
+    """With kvguard's hooks in place, read allocations and prefix hits from the batch vLLM
+    already builds per step instead of from the pool: take out the ``get_new_blocks`` and
+    ``touch`` hooks and the claims at finish and preemption, and after each ``schedule``
+    give every scheduled request the block ids its ``SchedulerOutput`` lists as new for it
+    (a new or resumed request: all of its blocks, prefix hits included; a running one: the
+    blocks appended this step), already named, in one pass. Frees stay on the pool hooks
+    (double frees are still seen where they happen), the lifecycle hooks and the drained
+    audit's claims stay as they ship.
+
+    What-if only, for FCFS scheduling: a block allocated and freed inside one ``schedule``
+    call (priority scheduling can preempt a request it scheduled earlier in the same call)
+    would read as a double free, and an allocation no batch lists (a P/D decode request
+    waiting for its remote KV) would be missed; a design on this seam would have to cover
+    both. The drained verdicts of its rounds must still be clean or saturated."""
+    from kvguard.core.types import AcquireKind
+
+    ledger = guard.ledger
+    kind = AcquireKind.ALLOCATE
+    for obj, name, _ in hooks:
+        if name in ("get_new_blocks", "touch"):
+            obj.__dict__.pop(name, None)
+    guard.claim = lambda request_id: None  # the instance's: the session's own comes back
+
+    for obj, name, hook in hooks:
+        if name != "schedule":
+            continue
+
+        def schedule(*a: Any, _hook: Any = hook, **k: Any) -> Any:
+            out = _hook(*a, **k)
+            try:
+                acquire = ledger.on_blocks_acquired
+                for new in out.scheduled_new_reqs:
+                    for ids in new.block_ids:
+                        if ids:
+                            acquire(new.req_id, ids, kind)
+                cached = out.scheduled_cached_reqs
+                for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
+                    if groups is not None:
+                        for ids in groups:
+                            if ids:
+                                acquire(rid, ids, kind)
+            except Exception as exc:
+                guard.errors.record("schedule_batch", exc)
+            return out
+        setattr(obj, name, schedule)
 
 
 def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
@@ -343,13 +416,23 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         return dict(collections.Counter(r.verdict.value for r in h.guard.reports))
 
     def set_mode(mode: str) -> None:
-        set_hooks(hooks, mode in ("on", "seam"))  # schedule and update_from_output among them
+        h.guard.__dict__.pop("claim", None)  # the session's own claims (batched takes them)
+        set_hooks(hooks, mode in ("on", "seam", "batched"))  # schedule, update_from_output
         if mode == "bare":
             for obj, name, _ in hooks:
                 setattr(obj, name, passthrough(getattr(type(obj), name).__get__(obj)))
         if mode == "seam":
             lifecycle_seam(hooks, h.guard.ledger)
-        timed(sched, samples, tags, h.guard if mode in ("on", "seam") else None)
+        if mode == "batched":
+            batched_seam(hooks, h.guard)
+        if mode in HOOK_GROUPS:  # one group alone (a fresh ledger each round: see below)
+            set_hooks([x for x in hooks if x[1] in HOOK_GROUPS[mode]], True)
+        timed(sched, samples, tags, h.guard if mode not in ("off", "bare") else None)
+
+    partial = any(m in HOOK_GROUPS for m in modes)
+    """A group alone leaves the ledger short of the others' events: every round then starts
+    from a fresh ledger (the pool is drained and its prefix cache reset, so a fresh ledger
+    is the true one), in every mode alike."""
 
     for mode in modes:
         set_mode(mode)
@@ -358,7 +441,9 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
     for line in sys.stdin:
         words = line.split()
         if words[0] == "verdicts":  # what kvguard's drained audits said, and let go
-            reply({"verdicts": verdicts(), "drains_unaudited": h.guard.pacer.drains_unaudited})
+            reply({"verdicts": verdicts(), "drains_unaudited": h.guard.pacer.drains_unaudited,
+                   "double_frees": h.guard.ledger.num_double_frees,
+                   "hook_errors": dict(h.guard.errors.by_hook)})
             continue
         if words[0] == "selftime":
             set_mode("on")
@@ -374,6 +459,10 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         # Both modes run each seed from the same pool state: an empty prefix cache (else
         # the second run of a seed would hit the blocks the first one cached).
         h.engine.reset_prefix_cache()
+        if partial:
+            h.guard.ledger.reset()
+            if h.guard.online is not None:
+                h.guard.online.restart()  # its suspects refer to the old records
         before = {k: h.vllm_metric(k) for k in COUNTERS}
         run_round(h, int(words[1]))
         reply({"us": [x / 1000 for x in samples],
@@ -484,7 +573,7 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
 
 
 def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
-                   floor: bool = False, seam: bool = False,
+                   floor: bool = False, seam: bool = False, batched: bool = False,
                    processes: int = TOGGLE_PROCESSES,
                    seconds: float = TOGGLE_SECONDS,
                    seconds_env: str = "KVGUARD_BENCH_MIX_TOGGLE_SECONDS") -> dict[str, Any]:
@@ -496,9 +585,12 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     interception's (bare / off) and kvguard's work's (on / bare). ``seam`` (instead):
     each round also runs the lifecycle-only seam (:func:`lifecycle_seam`); reported: its
     ratio to the engine alone and, per round, to kvguard as it ships (what the seam
-    would save). Only kvguard's own hooks are clocked (``self_time``), where the time of
-    the pool hooks the seam takes out shows."""
-    modes = MODES if floor else SEAM_MODES if seam else ("on", "off")
+    would save). ``batched`` (instead): the same with allocations read from each step's
+    batch (:func:`batched_seam`), reported under that name. Only kvguard's own hooks are
+    clocked (``self_time``), where the time of the pool hooks the seam takes out shows."""
+    what_if = "seam" if seam else "batched" if batched else None
+    modes = (MODES if floor else SEAM_MODES if seam else BATCHED_MODES if batched
+             else ("on", "off"))
     per_round: list[float] = []
     per_round_bare: list[float] = []
     per_round_work: list[float] = []
@@ -510,6 +602,8 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     breakdown: dict[str, Any] = {}
     verdicts: collections.Counter[str] = collections.Counter()
     unaudited = 0
+    double_frees = 0
+    hook_errors: collections.Counter[str] = collections.Counter()
     for p in range(processes):
         w = Worker(__file__, ["toggle", *modes], env, tmp / f"toggle-{p}.log")
         try:
@@ -535,9 +629,9 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                 if floor:
                     per_round_bare.append(mean_of["bare"] / mean_of["off"])
                     per_round_work.append(mean_of["on"] / mean_of["bare"])
-                if seam:
-                    per_round_seam.append(mean_of["seam"] / mean_of["off"])
-                    per_round_saved.append(mean_of["seam"] / mean_of["on"])
+                if what_if:
+                    per_round_seam.append(mean_of[what_if] / mean_of["off"])
+                    per_round_saved.append(mean_of[what_if] / mean_of["on"])
             per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
             for k in us:
                 us[k] += mine[k]
@@ -545,6 +639,8 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
             assert isinstance(out, dict)
             verdicts.update(out["verdicts"])
             unaudited += out["drains_unaudited"]
+            double_frees += out["double_frees"]
+            hook_errors.update(out["hook_errors"])
             if p == 0 and self_time:
                 out = w.ask(f"selftime {SELF_TIME_ROUNDS}")
                 assert isinstance(out, dict)
@@ -558,6 +654,7 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
            "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
            "with_us": stats(us["on"]), "without_us": stats(us["off"]),
            "verdicts": dict(verdicts), "drains_unaudited": unaudited,
+           "double_frees": double_frees, "hook_errors": dict(hook_errors),
            "self_time": breakdown}
     if floor:
         bare_mean, bare_half = t_interval(per_round_bare)
@@ -566,14 +663,65 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                         "work_mean_ratio": work_mean, "work_interval_half": work_half,
                         "per_round_bare_ratio": per_round_bare,
                         "per_round_work_ratio": per_round_work, "bare_us": stats(us["bare"])}
-    if seam:
+    if what_if:
         seam_mean, seam_half = t_interval(per_round_seam)
         vs_mean, vs_half = t_interval(per_round_saved)
-        out["seam"] = {"mean_ratio": seam_mean, "interval_half": seam_half,
-                       "per_round_ratio": per_round_seam, "us": stats(us["seam"]),
-                       "vs_shipped_mean_ratio": vs_mean, "vs_shipped_interval_half": vs_half,
-                       "per_round_vs_shipped_ratio": per_round_saved}
+        out[what_if] = {"mean_ratio": seam_mean, "interval_half": seam_half,
+                        "per_round_ratio": per_round_seam, "us": stats(us[what_if]),
+                        "vs_shipped_mean_ratio": vs_mean, "vs_shipped_interval_half": vs_half,
+                        "per_round_vs_shipped_ratio": per_round_saved}
     return out
+
+
+def measure_groups(env: dict[str, str], tmp: Path, *,
+                   processes: int = TOGGLE_PROCESSES) -> dict[str, Any]:
+    """kvguard's cost split by hook group with no clock in its code: one engine per process,
+    each round run with kvguard whole, each group of :data:`HOOK_GROUPS` alone, and none
+    (:data:`GROUP_MODES` in turn, then reversed), ``TOGGLE_MIN_ROUNDS`` to ``TOGGLE_ROUNDS``
+    rounds within ``TOGGLE_SECONDS``. Reported per mode: the mean of the per-round ratios
+    of mean step time to the engine's alone, with its 95 % interval."""
+    ratios: dict[str, list[float]] = {m: [] for m in GROUP_MODES if m != "off"}
+    mismatched = 0
+    verdicts: collections.Counter[str] = collections.Counter()
+    double_frees = 0
+    hook_errors: collections.Counter[str] = collections.Counter()
+    for p in range(processes):
+        w = Worker(__file__, ["toggle", *GROUP_MODES], env, tmp / f"groups-{p}.log")
+        try:
+            budget = RoundBudget("KVGUARD_BENCH_MIX_TOGGLE_SECONDS", TOGGLE_SECONDS,
+                                 min_rounds=min(TOGGLE_MIN_ROUNDS, TOGGLE_ROUNDS),
+                                 max_rounds=TOGGLE_ROUNDS, step=2)
+            r = 0
+            while budget.more(r):
+                r += 1
+                seed = 700 + p * TOGGLE_ROUNDS + r
+                got: dict[str, dict[str, Any]] = {}
+                for k in (GROUP_MODES if r % 2 else GROUP_MODES[::-1]):
+                    out = w.ask(f"run {seed} {k}")
+                    assert isinstance(out, dict)
+                    got[k] = out
+                off = got["off"]
+                if any(len(g["us"]) != len(off["us"]) or g["vllm"] != off["vllm"]
+                       for g in got.values()):
+                    mismatched += 1
+                for k in ratios:
+                    ratios[k].append(statistics.fmean(got[k]["us"])
+                                     / statistics.fmean(off["us"]))
+            out = w.ask("verdicts")
+            assert isinstance(out, dict)
+            verdicts.update(out["verdicts"])
+            double_frees += out["double_frees"]
+            hook_errors.update(out["hook_errors"])
+        finally:
+            w.close()
+    modes = {}
+    for k, xs in ratios.items():
+        mean, half = t_interval(xs)
+        modes[k] = {"mean_ratio": mean, "interval_half": half, "per_round_ratio": xs}
+    return {"modes": modes, "groups": {k: list(v) for k, v in HOOK_GROUPS.items()},
+            "rounds": len(ratios["on"]), "processes": processes,
+            "rounds_mismatched": mismatched, "verdicts": dict(verdicts),
+            "double_frees": double_frees, "hook_errors": dict(hook_errors)}
 
 
 def main() -> None:
@@ -675,31 +823,42 @@ def main() -> None:
         "toggle_paced": paced | {"interval_seconds": float(PACED_INTERVAL)}})
 
 
+def _alone() -> tuple[dict[str, str], Path]:
+    """What a same-engine measurement run alone needs: the plugin, one hash seed and plain
+    request ids (as :func:`main`), and a directory for the workers' logs."""
+    os.environ.setdefault("VLLM_PLUGINS", "kvguard")
+    return ({"PYTHONHASHSEED": "0", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
+            Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")))
+
+
+def _what_if(key: str, words: str, result: dict[str, Any]) -> None:
+    """Save a what-if's result as ``step_mix_<key>`` and say it in a line."""
+    save(f"step_mix_{key}", result)
+    w = result[key]
+    print(f"kvguard {result['mean_ratio']:.4f} +- {result['interval_half']:.4f}, {words} "
+          f"{w['mean_ratio']:.4f} +- {w['interval_half']:.4f} (against kvguard "
+          f"{w['vs_shipped_mean_ratio']:.4f} +- {w['vs_shipped_interval_half']:.4f}) over "
+          f"{result['rounds']} rounds; verdicts {result['verdicts']}", flush=True)
+    os._exit(0)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker" and sys.argv[2] == "toggle":
         toggle_worker(tuple(sys.argv[3:]) or MODES)
     elif len(sys.argv) > 1 and sys.argv[1] == "worker":
         worker(sys.argv[2])
     elif sys.argv[1:] == ["toggle"]:  # the same-engine measurement alone (minutes, not tens)
-        os.environ.setdefault("VLLM_PLUGINS", "kvguard")
-        result = measure_toggle({"PYTHONHASHSEED": "0",
-                                 "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
-                                Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")),
-                                floor=True)
-        print(json.dumps(result, indent=1))
+        print(json.dumps(measure_toggle(*_alone(), floor=True), indent=1))
     elif sys.argv[1:] == ["seam"]:  # the what-if of the lifecycle-only seam (minutes)
-        os.environ.setdefault("VLLM_PLUGINS", "kvguard")
-        result = measure_toggle({"PYTHONHASHSEED": "0",
-                                 "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
-                                Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")),
-                                seam=True)
-        save("step_mix_seam", result)
-        print(f"kvguard {result['mean_ratio']:.4f} +- {result['interval_half']:.4f}, "
-              f"lifecycle-only seam {result['seam']['mean_ratio']:.4f} +- "
-              f"{result['seam']['interval_half']:.4f} (against kvguard "
-              f"{result['seam']['vs_shipped_mean_ratio']:.4f} +- "
-              f"{result['seam']['vs_shipped_interval_half']:.4f}) over {result['rounds']} rounds; "
-              f"verdicts {result['verdicts']}", flush=True)
+        _what_if("seam", "lifecycle-only seam", measure_toggle(*_alone(), seam=True))
+    elif sys.argv[1:] == ["groups"]:  # the cost by hook group, no clock in kvguard (minutes)
+        result = measure_groups(*_alone())
+        save("step_mix_groups", result)
+        print("; ".join(f"{k} {v['mean_ratio']:.4f} +- {v['interval_half']:.4f}"
+                        for k, v in result["modes"].items())
+              + f" over {result['rounds']} rounds; verdicts {result['verdicts']}", flush=True)
         os._exit(0)
+    elif sys.argv[1:] == ["batched"]:  # the what-if of allocations read per step (minutes)
+        _what_if("batched", "batched", measure_toggle(*_alone(), batched=True))
     else:
         main()

@@ -8,7 +8,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -275,7 +275,9 @@ def _step_mix_rows() -> list[str]:
     if not same:
         verdict = "**not comparable** (the sides took different steps)"
     return [*_toggle_row(d, target), *_floor_row(d, target), *_paced_row(d, target),
-            *_seam_row(target), *_compiled_row(target), *_releases_row(target),
+            *_groups_row(target), *_seam_row(target), *_batched_row(target),
+            *_compiled_row(target),
+            *_releases_row(target),
         f"| 8 | scheduler time per step <= 1.02x (mean), every step counted, prefix hits, "
         f"preemption, aborts, spec decode | {measured} ({w['mean']:.0f} "
         f"vs {wo['mean']:.0f} us, {d['rounds']} rounds of {w['n'] / d['rounds']:.0f} steps, "
@@ -414,6 +416,94 @@ def _seam_row_of(t: dict[str, Any], target: float) -> list[str]:
         + " | " + ("measured (a lower bound for that design: "
                    + (f"{side} the target's {target:.2f}x" if side else "not resolved")
                    + ")" if valid else "**not valid** (a leak verdict or different work)")
+        + " |"]
+
+
+def _kept_true(t: dict[str, Any]) -> bool:
+    """Whether a what-if's rounds kept kvguard's records true and compared like with like:
+    every drained audit clean or saturated, no release of a block the ledger did not hold,
+    no hook failure, and the same work (steps, vLLM's counters) every way."""
+    return (set(_verdicts(t)) <= {"clean", "saturated"} and not t["rounds_mismatched"]
+            and not t["double_frees"] and not t["hook_errors"])
+
+
+def _groups_row(target: float) -> list[str]:
+    """Target 8 split by hook group (``bench_step_mix.py groups``, not in the default run):
+    kvguard whole, each group of its hooks alone, none, on one engine, no clock in
+    kvguard's code. Measured; valid only where every drained audit said clean or
+    saturated, no release went unmatched, no hook failed and every way did the same work."""
+    path = HERE / "results" / "step_mix_groups.json"
+    return _groups_row_of(json.loads(path.read_text()), target) if path.exists() else []
+
+
+_GROUP_WORDS: Final = {"life": "the request lifecycle (admit, preempt, finish, free; the "
+                               "claims run there)",
+                       "pool": "the block pool's events (allocate, prefix hit, free)",
+                       "stepend": "the step end (drain checks, drained checkpoints, the "
+                                  "online audit, publishing)"}
+
+
+def _groups_row_of(t: dict[str, Any], target: float) -> list[str]:
+    """:func:`_groups_row` from the result ``t`` of ``bench_step_mix.py groups``."""
+    m = t["modes"]
+    v = dict(t["verdicts"])
+    valid = _kept_true(t)
+    parts = [f"{_GROUP_WORDS.get(k, k)} alone **{m[k]['mean_ratio']:.3f}x** +- "
+             f"{m[k]['interval_half']:.3f}" for k in m if k != "on"]
+    sides = [_against(m[k]["mean_ratio"], m[k]["interval_half"], target)
+             for k in m if k != "on"]
+    summed = 1 + sum(m[k]["mean_ratio"] - 1 for k in m if k != "on")
+    return [
+        f"| 8 (by hook group) | the same on one engine, {t['machine']['date']}: kvguard "
+        f"whole, each group of its hooks alone, and none, each round every way in turn, "
+        f"a fresh ledger each round; no clock in kvguard's code | whole "
+        f"**{m['on']['mean_ratio']:.3f}x** +- {m['on']['interval_half']:.3f}; "
+        + "; ".join(parts)
+        + f" (95 %, {t['rounds']} rounds in {t['processes']} processes; the groups' "
+        f"shares add up to {summed:.3f}x); drained verdicts "
+        + ", ".join(f"{k} {n}" for k, n in sorted(v.items()))
+        + " | " + ((f"measured (each group alone against the target's {target:.2f}x: "
+                    f"within {sides.count('within')}, beyond {sides.count('beyond')}, "
+                    f"not resolved {sides.count(None)})") if valid
+                   else "**not valid** (a verdict other than clean or saturated, an "
+                        "unmatched release, a hook error, or different work)")
+        + " |"]
+
+
+def _batched_row(target: float) -> list[str]:
+    """Target 8's what-if of allocations read per step (``bench_step_mix.py batched``, not
+    in the default run) against kvguard as it ships, in the same rounds. Measured, no
+    target verdict (it is not the code that ships); valid only where every drained audit
+    said clean or saturated, no release went unmatched, no hook failed and both did the
+    engine's same work."""
+    path = HERE / "results" / "step_mix_batched.json"
+    return _batched_row_of(json.loads(path.read_text()), target) if path.exists() else []
+
+
+def _batched_row_of(t: dict[str, Any], target: float) -> list[str]:
+    """:func:`_batched_row` from the result ``t`` of ``bench_step_mix.py batched``."""
+    b = t["batched"]
+    v = _verdicts(t)
+    valid = _kept_true(t)
+    mean, half = b["mean_ratio"], b["interval_half"]
+    side = _against(mean, half, target)
+    return [
+        f"| 8 (what-if, batched) | the same on one engine, {t['machine']['date']}: "
+        f"allocations and prefix hits read once per step from the batch vLLM builds "
+        f"(`SchedulerOutput`: each scheduled request's new block ids, already named) "
+        f"instead of from the pool, so no allocation hook and no claim at finish or "
+        f"preemption; frees, lifecycle hooks and drained audits as they ship (FCFS only: "
+        f"a block allocated and freed inside one `schedule` call, or an allocation no "
+        f"batch lists, would need more) | batched **{mean:.3f}x** +- {half:.3f}; kvguard "
+        f"as it ships {t['mean_ratio']:.3f}x +- {t['interval_half']:.3f}; batched / as it "
+        f"ships {b['vs_shipped_mean_ratio']:.3f}x +- {b['vs_shipped_interval_half']:.3f} "
+        f"(95 %, the same {t['rounds']} rounds in {t['processes']} processes, the three "
+        f"ways in turn); releases of a block not held {t['double_frees']}; drained verdicts "
+        + ", ".join(f"{k} {n}" for k, n in sorted(v.items()))
+        + " | " + ("measured ("
+                   + (f"{side} the target's {target:.2f}x" if side else "not resolved")
+                   + ")" if valid else "**not valid** (a verdict other than clean or "
+                   "saturated, an unmatched release, a hook error, or different work)")
         + " |"]
 
 
@@ -781,6 +871,40 @@ def render() -> str:
               "of scheduler time, before any pool event. What would reach it is the events "
               "from vLLM itself, batched per step in C (an ownership-event stream next to "
               "its KV cache events), which is a change to vLLM, not to kvguard.",
+              "",
+              "The events vLLM already batches, measured on 2026-12-04 at 21:57-21:59 UTC "
+              "(row \"8 (what-if, batched)\", `bench_step_mix.py batched`, 3 processes of 24 "
+              "rounds, not in the default run): that note's \"events batched per step\" "
+              "exist in part already. Each `SchedulerOutput` lists, for every request "
+              "scheduled in the step, the block ids new to it (all of a new or resumed "
+              "request's, prefix hits included; the blocks appended to a running one), "
+              "named, for the workers' block tables. Read once per step after `schedule`, "
+              "they replace the allocation and prefix-hit hooks and the claims at finish "
+              "and preemption; the frees stay on the pool hooks. Every release still met "
+              "the reference the batch had given (0 releases of a block not held over 72 "
+              "rounds, drained verdicts clean 6, saturated 147), but the cost did not move: "
+              "1.115x +- 0.016 against 1.110x +- 0.017 for kvguard as it ships, 1.007x +- "
+              "0.016 per round. The hooks and claims it drops are about 40 us per step by "
+              "the clocks, yet nothing was saved that these rounds resolve; it adds a pass "
+              "over every scheduled request (64 here, most with no new block), and the "
+              "clocks over-state what a call costs in place (the next paragraph). vLLM's "
+              "batch, read in Python, is no cheaper than the pool's events.",
+              "",
+              "Where the cost lives with no clock in kvguard's code, measured on "
+              "2026-12-04 at 22:05 UTC (row \"8 (by hook group)\", `bench_step_mix.py "
+              "groups`, 3 processes of 16 rounds, not in the default run): each round ran "
+              "kvguard whole, each group of its hooks alone, and the engine alone, every "
+              "way in turn on one engine, a fresh ledger each round. Whole 1.089x +- 0.026; "
+              "the request lifecycle alone (admissions, preemptions, finishes, frees, with "
+              "their claims) 1.026x +- 0.017; the block pool's events alone 1.028x +- "
+              "0.017; the step end alone (drain checks, the drained checkpoint each round "
+              "ends with, the online audit, publishing) 1.028x +- 0.016. The three add up "
+              "to the whole (1.083x), and none dominates: the cost is spread evenly over "
+              "what kvguard does, each part alone about the whole budget (2.6-2.8 %). The step "
+              "end is what any design keeps (it is where drains are seen and audited), "
+              "so on this mix even a kvguard with no per-event cost at all would read "
+              "about 1.03x. That, with the seam, the batched and the compiled what-ifs, "
+              "is why target 8 is left as a miss rather than chased further in kvguard.",
               "",
               "The same code compiled, measured on 2026-12-04 at 21:47-21:52 UTC (row \"8 "
               "(compiled)\", `bench_compiled.py`, not in the default run): the first "

@@ -145,6 +145,57 @@ def test_seam_what_if_row_follows_its_numbers(seam: float, half: float,
     assert "32.0 of kvguard's 120.0 us per step" in row
 
 
+def _groups_result(life: float, *, verdicts: dict[str, int] | None = None) -> dict[str, Any]:
+    def mode(mean: float) -> dict[str, Any]:
+        return {"mean_ratio": mean, "interval_half": 0.01}
+
+    return {"machine": {"date": "2026-12-04 22:05 UTC"}, "rounds": 48, "processes": 3,
+            "rounds_mismatched": 0, "double_frees": 0, "hook_errors": {},
+            "verdicts": verdicts or {"clean": 3, "saturated": 51},
+            "modes": {"on": mode(1.09), "life": mode(life), "pool": mode(1.05),
+                      "stepend": mode(1.025)}}
+
+
+@pytest.mark.parametrize(("result", "expected"), [
+    (_groups_result(1.005), "within 1, beyond 1, not resolved 1"),
+    (_groups_result(1.04), "within 0, beyond 2, not resolved 1"),
+    (_groups_result(1.04, verdicts={"leak": 1}), "**not valid**"),
+])
+def test_groups_row_judges_each_group_alone_by_its_interval(result: dict[str, Any],
+                                                            expected: str) -> None:
+    (row,) = run_all._groups_row_of(result, 1.02)
+    assert expected in row.rsplit("|", 2)[1]
+    # What the groups add up to, from their own ratios: 1 + (life - 1) + 0.05 + 0.025.
+    life = result["modes"]["life"]["mean_ratio"]
+    assert f"add up to {1 + (life - 1) + 0.05 + 0.025:.3f}x" in row
+
+
+def _batched_result(batched: float, half: float, *, double_frees: int = 0,
+                    verdicts: dict[str, int] | None = None) -> dict[str, Any]:
+    return {"machine": {"date": "2026-12-04 21:59 UTC"}, "mean_ratio": 1.11,
+            "interval_half": 0.02, "rounds": 72, "processes": 3, "rounds_mismatched": 0,
+            "verdicts": verdicts or {"clean": 6, "saturated": 147},
+            "double_frees": double_frees, "hook_errors": {},
+            "batched": {"mean_ratio": batched, "interval_half": half,
+                        "vs_shipped_mean_ratio": batched / 1.11,
+                        "vs_shipped_interval_half": 0.02}}
+
+
+@pytest.mark.parametrize(("result", "expected"), [
+    (_batched_result(1.115, 0.016), "beyond the target's 1.02x"),
+    (_batched_result(1.010, 0.005), "within the target's 1.02x"),
+    (_batched_result(1.025, 0.010), "not resolved"),
+    # A release the ledger never saw taken: the batch missed an allocation.
+    (_batched_result(1.010, 0.005, double_frees=1), "**not valid**"),
+    (_batched_result(1.010, 0.005, verdicts={"clean": 5, "skipped": 1}), "**not valid**"),
+])
+def test_batched_what_if_row_is_valid_only_with_every_release_matched(
+        result: dict[str, Any], expected: str) -> None:
+    (row,) = run_all._batched_row_of(result, 1.02)
+    assert expected in row.rsplit("|", 2)[1]
+    assert f"releases of a block not held {result['double_frees']}" in row
+
+
 def _compiled_result(*, compiled_suffix: str = ".so", mismatched: int = 0,
                      leak: int = 0) -> dict[str, Any]:
     def side(self_us: float, sched_us: float) -> dict[str, Any]:

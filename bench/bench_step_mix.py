@@ -55,9 +55,9 @@ what a redesign that reads ownership only from vLLM's block tables would save.
 ``bench_step_mix.py groups`` (not in the default run; result ``step_mix_groups.json``): the
 same engine with kvguard whole, each group of its hooks alone, and none: where the cost
 lives, with no clock in kvguard's code. ``bench_step_mix.py batched`` (not in the default
-run; result ``step_mix_batched.json``):
-the same with :func:`batched_seam`, allocations and prefix hits read once per step from
-the batch vLLM builds (``SchedulerOutput``), instead of from the pool.
+run; result ``step_mix_batched.json``): the same as ``seam`` with :func:`batched_seam`,
+allocations and prefix hits read once per step from the batch vLLM builds
+(``SchedulerOutput``) instead of from the pool.
 """
 
 from __future__ import annotations

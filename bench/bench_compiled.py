@@ -124,7 +124,12 @@ def main() -> None:
                 sides[mode] = Worker(__file__, [mode], env, tmp / f"{mode}-{pair}.log")
                 got_loaded = sides[mode].ask("loaded")
                 assert isinstance(got_loaded, dict)
-                loaded[mode] = got_loaded
+                # Every pair's, not the last one's: a suffix that differs between pairs
+                # reads "mixed" (the row is then not valid).
+                seen = loaded.setdefault(mode, got_loaded)
+                for name, suffix in got_loaded.items():
+                    if seen.get(name) != suffix:
+                        seen[name] = "mixed"
             budget = RoundBudget("KVGUARD_BENCH_COMPILED_SECONDS", SECONDS,
                                  min_rounds=MIN_ROUNDS, max_rounds=ROUNDS, step=2)
             r = 0

@@ -899,7 +899,7 @@ def render() -> str:
               "their claims) 1.026x +- 0.017; the block pool's events alone 1.028x +- "
               "0.017; the step end alone (drain checks, the drained checkpoint each round "
               "ends with, the online audit, publishing) 1.028x +- 0.016. The three add up "
-              "to the whole (1.083x), and none dominates: the cost is spread evenly over "
+              "to about the whole (1.083x against 1.089x), and none dominates: the cost is spread evenly over "
               "what kvguard does, each part alone about the whole budget (2.6-2.8 %). The step "
               "end is what any design keeps (it is where drains are seen and audited), "
               "so on this mix even a kvguard with no per-event cost at all would read "

@@ -380,6 +380,17 @@ def _releases_row_of(d: dict[str, Any], target: float) -> list[str]:
         + " |"]
 
 
+def _against_shipped(t: dict[str, Any], key: str, name: str) -> str:
+    """A what-if's ratios, as measured in the same rounds as kvguard as it ships: its own
+    to the engine alone, kvguard's, and its own to kvguard's per round."""
+    w = t[key]
+    return (f"{name} **{w['mean_ratio']:.3f}x** +- {w['interval_half']:.3f}; kvguard as it "
+            f"ships {t['mean_ratio']:.3f}x +- {t['interval_half']:.3f}; {name} / as it ships "
+            f"{w['vs_shipped_mean_ratio']:.3f}x +- {w['vs_shipped_interval_half']:.3f} (95 %, "
+            f"the same {t['rounds']} rounds in {t['processes']} processes, the three ways in "
+            f"turn)")
+
+
 def _seam_row(target: float) -> list[str]:
     """Target 8's what-if (``bench_step_mix.py seam``, not in the default run): the
     lifecycle-only seam against kvguard as it ships, in the same rounds. Measured, no
@@ -406,11 +417,8 @@ def _seam_row_of(t: dict[str, Any], target: float) -> list[str]:
         f"its block-pool hooks, each request's references released at its free from the "
         f"block table its claims read (ownership from vLLM's tables at the lifecycle events "
         f"only: the redesign earlier notes proposed; it cannot name an orphan or a double "
-        f"free on its path) | lifecycle-only **{mean:.3f}x** +- {half:.3f}; kvguard as it "
-        f"ships {t['mean_ratio']:.3f}x +- {t['interval_half']:.3f}; lifecycle-only / as it "
-        f"ships {s['vs_shipped_mean_ratio']:.3f}x +- {s['vs_shipped_interval_half']:.3f} "
-        f"(95 %, the same {t['rounds']} rounds in {t['processes']} processes, the three "
-        f"ways in turn); the pool hooks it takes out are {pool:.1f} of kvguard's "
+        f"free on its path) | {_against_shipped(t, 'seam', 'lifecycle-only')}; the pool "
+        f"hooks it takes out are {pool:.1f} of kvguard's "
         f"{shipped:.1f} us per step (clocked); drained verdicts "
         + ", ".join(f"{k} {n}" for k, n in sorted(v.items()))
         + " | " + ("measured (a lower bound for that design: "
@@ -494,11 +502,8 @@ def _batched_row_of(t: dict[str, Any], target: float) -> list[str]:
         f"instead of from the pool, so no allocation hook and no claim at finish or "
         f"preemption; frees, lifecycle hooks and drained audits as they ship (FCFS only: "
         f"a block allocated and freed inside one `schedule` call, or an allocation no "
-        f"batch lists, would need more) | batched **{mean:.3f}x** +- {half:.3f}; kvguard "
-        f"as it ships {t['mean_ratio']:.3f}x +- {t['interval_half']:.3f}; batched / as it "
-        f"ships {b['vs_shipped_mean_ratio']:.3f}x +- {b['vs_shipped_interval_half']:.3f} "
-        f"(95 %, the same {t['rounds']} rounds in {t['processes']} processes, the three "
-        f"ways in turn); releases of a block not held {t['double_frees']}; drained verdicts "
+        f"batch lists, would need more) | {_against_shipped(t, 'batched', 'batched')}; "
+        f"releases of a block not held {t['double_frees']}; drained verdicts "
         + ", ".join(f"{k} {n}" for k, n in sorted(v.items()))
         + " | " + ("measured ("
                    + (f"{side} the target's {target:.2f}x" if side else "not resolved")
@@ -899,12 +904,13 @@ def render() -> str:
               "their claims) 1.026x +- 0.017; the block pool's events alone 1.028x +- "
               "0.017; the step end alone (drain checks, the drained checkpoint each round "
               "ends with, the online audit, publishing) 1.028x +- 0.016. The three add up "
-              "to about the whole (1.083x against 1.089x), and none dominates: the cost is spread evenly over "
-              "what kvguard does, each part alone about the whole budget (2.6-2.8 %). The step "
-              "end is what any design keeps (it is where drains are seen and audited), "
-              "so on this mix even a kvguard with no per-event cost at all would read "
-              "about 1.03x. That, with the seam, the batched and the compiled what-ifs, "
-              "is why target 8 is left as a miss rather than chased further in kvguard.",
+              "to about the whole (1.083x against 1.089x), and none dominates: the cost is "
+              "spread evenly over what kvguard does, each part alone about the whole "
+              "budget (2.6-2.8 %). The step end is what any design keeps (it is where "
+              "drains are seen and audited), so on this mix even a kvguard with no "
+              "per-event cost at all would read about 1.03x. That, with the seam, the "
+              "batched and the compiled what-ifs, is why target 8 is left as a miss "
+              "rather than chased further in kvguard.",
               "",
               "The same code compiled, measured on 2026-12-04 at 21:47-21:52 UTC (row \"8 "
               "(compiled)\", `bench_compiled.py`, not in the default run): the first "

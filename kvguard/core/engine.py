@@ -16,6 +16,8 @@ the engine goes on).
 
 from __future__ import annotations
 
+import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,26 +27,52 @@ from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.transfers import TransferSource
 from kvguard.core.types import FinishReason
 
+_NOT_IN_A_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
+HOST_PART_MAX_CHARS = 100
+"""The host part of a default engine name is cut to this (names are at most 128)."""
+
+
+def host_part(hostname: str | None = None) -> str:
+    """This host as the first part of a default engine name: the host name (in
+    Kubernetes the pod's name, which is unique in its namespace), with every character
+    an engine name does not admit replaced by ``-`` and cut to ``HOST_PART_MAX_CHARS``.
+    ``host`` when the host name is empty."""
+    raw = socket.gethostname() if hostname is None else hostname
+    part = _NOT_IN_A_NAME.sub("-", raw).strip("-.")[:HOST_PART_MAX_CHARS]
+    return part or "host"
+
 
 @dataclass(frozen=True, slots=True)
 class EngineIdentity:
-    """Which engine this is, for the published state and ``kvguard_engine_info``."""
+    """Which engine this is: kvguard's name for it, and the labels that join its series
+    with the engine's own metrics.
+
+    Invariant: ``name(None)`` is unique in a fleet as long as host names are (one server
+    per host, or one pod per server), because it carries the host and the engine index.
+    """
 
     kind: str
     """The engine family, e.g. ``vllm``."""
     version: str | None
     """Its version string, when it can be read."""
     default_name: str
-    """The ``engine`` label when ``KVGUARD_ENGINE_NAME`` is unset (e.g. ``dp0``: one per
-    data-parallel rank, which has its own pool)."""
+    """kvguard's name for the engine (the ``engine_name`` label, the state file) when
+    ``KVGUARD_ENGINE_NAME`` is unset: ``<host>-dp<rank>``, one per data-parallel rank,
+    which has its own pool."""
     replica: str | None = None
     """This engine's place in a group of engines that share one configuration (e.g.
     ``dp1`` for data-parallel rank 1); ``None`` when it runs alone. A configured name
     gets it as a suffix, so that the ranks of one server never share a label."""
+    model_name: str | None = None
+    """The model name the engine's own metrics carry (vLLM: ``model_name``, the first
+    served model name)."""
+    engine_index: int = 0
+    """The engine's index in its server, as the engine's own metrics label it (vLLM:
+    ``engine="0"``; the data-parallel rank)."""
 
     def name(self, configured: str | None) -> str:
-        """The ``engine`` label: ``configured`` (plus ``-<replica>`` in a group), else
-        ``default_name``."""
+        """kvguard's name for the engine: ``configured`` (plus ``-<replica>`` in a group),
+        else ``default_name``."""
         if not configured:
             return self.default_name
         return f"{configured}-{self.replica}" if self.replica else configured

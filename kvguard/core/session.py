@@ -615,6 +615,8 @@ class GuardSession:
             updated_at=time.time(),
             engine_kind=self.identity.kind,
             engine_version=self.identity.version,
+            model_name=self.identity.model_name,
+            engine_index=self.identity.engine_index,
             hooks_installed=list(self.hooks_installed),
             hooks_missing=list(self.hooks_missing),
             faults_enabled=self.adapter.faults_enabled(),

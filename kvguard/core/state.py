@@ -13,13 +13,14 @@ from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 
-STATE_SCHEMA_VERSION = 5
+STATE_SCHEMA_VERSION = 6
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
 kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
 pace of drained audits). 5: ``cost`` (kvguard's own time on the engine thread, metered on a
-sample of steps)."""
+sample of steps). 6: ``model_name`` and ``engine_index``, the labels that join kvguard's
+series with the engine's own (vLLM's ``model_name`` and ``engine``)."""
 
 
 class OnlineState(BaseModel):
@@ -76,6 +77,12 @@ class EngineState(BaseModel):
     updated_at: float
     engine_kind: str = Field(description="The engine family, e.g. vllm.")
     engine_version: str | None = None
+    model_name: str | None = Field(
+        default=None, description="The model name the engine's own metrics carry (vLLM: "
+                                  "model_name); None when the engine does not say.")
+    engine_index: int = Field(
+        default=0, ge=0, description="The engine's index in its server, as its own metrics "
+                                     "label it (vLLM: engine=\"0\", the data-parallel rank).")
     hooks_installed: list[str] = Field(default_factory=list)
     hooks_missing: list[str] = Field(default_factory=list)
     faults_enabled: list[str] = Field(default_factory=list)

@@ -19,6 +19,19 @@ from kvguard.core.transfers import HazardKind, TransferOutcome
 from kvguard.core.trend import TrendVerdict, judged
 from kvguard.core.types import Evidence, LeakCause, Verdict
 from kvguard.sidecar.store import EngineStore
+from kvguard.transport.state import EngineState
+
+METRICS_CONTRACT_VERSION = 2
+"""The version of the metric names and labels below (``kvguard_engine_info``'s
+``metrics_contract``). 2: every per-engine series carries ``engine_name`` (kvguard's
+name for the engine, unique in a fleet: ``<host>-dp<rank>`` by default), ``model_name``
+and ``engine`` (the engine's index, as vLLM's own series label it), so that kvguard's
+series join vLLM's ``on(model_name, engine)`` plus the scrape's pod labels. In contract
+1, ``engine`` held kvguard's name (``dp0``, ``prefill``) and there was no
+``model_name``."""
+
+ENGINE_LABELS = ("engine_name", "model_name", "engine")
+"""The labels of every per-engine series, in this order."""
 
 
 class KvguardCollector(Collector):
@@ -27,18 +40,20 @@ class KvguardCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         now = time.time()
-        eng = ["engine"]
+        eng = list(ENGINE_LABELS)
         up = GaugeMetricFamily("kvguard_engine_up",
                                "1 while the engine's published state is fresh (heartbeat).",
                                labels=eng)
-        info = GaugeMetricFamily("kvguard_engine_info", "Engine identity (value is always 1).",
-                                 labels=["engine", "epoch", "kvguard_version", "engine_kind",
-                                         "engine_version"])
+        info = GaugeMetricFamily("kvguard_engine_info", "Engine identity (value is always 1); "
+                                 "metrics_contract is the version of these metrics' names "
+                                 "and labels.",
+                                 labels=[*ENGINE_LABELS, "epoch", "kvguard_version",
+                                         "engine_kind", "engine_version", "metrics_contract"])
         cap = GaugeMetricFamily("kvguard_pool_capacity_blocks",
                                 "Usable KV blocks in the pool (null block excluded).", labels=eng)
         blocks = GaugeMetricFamily("kvguard_pool_blocks",
                                    "Usable KV blocks by state at the last audit; states sum to "
-                                   "capacity.", labels=["engine", "state"])
+                                   "capacity.", labels=[*ENGINE_LABELS, "state"])
         sat = GaugeMetricFamily("kvguard_cache_saturation_ratio",
                                 "Evictable cached blocks / capacity at the last audit.", labels=eng)
         holding = GaugeMetricFamily("kvguard_finished_requests_holding_blocks",
@@ -46,7 +61,7 @@ class KvguardCollector(Collector):
         leaked = GaugeMetricFamily("kvguard_leaked_blocks",
                                    "Leaked KV blocks by cause at the latest judged checkpoint: "
                                    "drained, or an online audit under load (label evidence).",
-                                   labels=["engine", "cause", "evidence"])
+                                   labels=[*ENGINE_LABELS, "cause", "evidence"])
         trend = GaugeMetricFamily("kvguard_leak_trend",
                                   "1 when leaked blocks or finished requests holding blocks grew "
                                   "over consecutive drained checkpoints.", labels=eng)
@@ -55,7 +70,7 @@ class KvguardCollector(Collector):
         checkpoints = CounterMetricFamily("kvguard_checkpoints",
                                           "Checkpoints taken, by verdict and evidence (drained "
                                           "checkpoints, online audit reports).",
-                                          labels=["engine", "verdict", "evidence"])
+                                          labels=[*ENGINE_LABELS, "verdict", "evidence"])
         sweeps = CounterMetricFamily("kvguard_online_sweeps",
                                      "Online audit sweeps completed (each covers the pool).",
                                      labels=eng)
@@ -72,7 +87,7 @@ class KvguardCollector(Collector):
                                        "Unix time the last online sweep ended.", labels=eng)
         events = CounterMetricFamily("kvguard_request_events",
                                      "Request lifecycle and block events seen by the hooks.",
-                                     labels=["engine", "event"])
+                                     labels=[*ENGINE_LABELS, "event"])
         errors = CounterMetricFamily("kvguard_hook_errors",
                                      "Failures inside kvguard hook code (contained).", labels=eng)
         unaudited = CounterMetricFamily(
@@ -81,10 +96,10 @@ class KvguardCollector(Collector):
         allocator = GaugeMetricFamily(
             "kvguard_allocator_bytes", "Framework allocator bytes at the last drained "
             "checkpoint; allocated sits inside reserved (never add them).",
-            labels=["engine", "kind"])
+            labels=[*ENGINE_LABELS, "kind"])
         device = GaugeMetricFamily(
             "kvguard_device_memory_bytes", "Device memory at the last drained checkpoint: used, "
-            "and non_torch = used - torch reserved.", labels=["engine", "kind"])
+            "and non_torch = used - torch reserved.", labels=[*ENGINE_LABELS, "kind"])
         swap = GaugeMetricFamily(
             "kvguard_host_swap_used_bytes", "Host swap used at the most recent drained "
             "checkpoint of any engine on this host.")
@@ -95,17 +110,17 @@ class KvguardCollector(Collector):
         kv_info = GaugeMetricFamily(
             "kvguard_kv_connector_info", "The engine's KV connector (P/D), value always 1; "
             "kv_engine_id is what a decode engine's kv_transfer_params name.",
-            labels=["engine", "connector", "kv_role", "kv_engine_id", "hold_source"])
+            labels=[*ENGINE_LABELS, "connector", "kv_role", "kv_engine_id", "hold_source"])
         kv_pending = GaugeMetricFamily(
             "kvguard_kv_transfers_pending", "Transfers in progress: prefill holds waiting "
             "for their read, decode requests waiting for their KV.", labels=eng)
         kv_outcomes = CounterMetricFamily(
             "kvguard_kv_transfers", "KV transfers ended, by outcome (expired_unread: the "
-            "lease lapsed before any read).", labels=["engine", "outcome"])
+            "lease lapsed before any read).", labels=[*ENGINE_LABELS, "outcome"])
         kv_hazards = CounterMetricFamily(
             "kvguard_kv_transfer_hazards", "Transfer hazards that are not leaks, by kind "
             "(freed_before_read: a read arrived after the blocks were freed on lease "
-            "expiry).", labels=["engine", "kind"])
+            "expiry).", labels=[*ENGINE_LABELS, "kind"])
         cost_steps = CounterMetricFamily(
             "kvguard_cost_sampled_steps", "Engine steps kvguard metered its own time in "
             "(one window of steps per KVGUARD_COST_SAMPLE_EVERY_STEPS).", labels=eng)
@@ -124,36 +139,37 @@ class KvguardCollector(Collector):
             labels=eng)
         for name, view in sorted(self.store.engines.items()):
             s = view.state
+            ids = engine_label_values(name, s)
             if s.cost is not None:
                 c = s.cost
-                cost_steps.add_metric([name], float(c.sampled_steps_total))
-                cost_self.add_metric([name], c.self_seconds_total)
-                cost_sched.add_metric([name], c.scheduler_seconds_total)
-                cost_skipped.add_metric([name], float(c.windows_skipped_total))
+                cost_steps.add_metric(ids, float(c.sampled_steps_total))
+                cost_self.add_metric(ids, c.self_seconds_total)
+                cost_sched.add_metric(ids, c.scheduler_seconds_total)
+                cost_skipped.add_metric(ids, float(c.windows_skipped_total))
             if s.transfers is not None:
                 t = s.transfers
-                kv_info.add_metric([name, t.connector, t.kv_role or "", t.kv_engine_id or "",
+                kv_info.add_metric([*ids, t.connector, t.kv_role or "", t.kv_engine_id or "",
                                     t.hold_source], 1.0)
-                kv_pending.add_metric([name], float(t.pending))
+                kv_pending.add_metric(ids, float(t.pending))
                 for outcome in TransferOutcome:
                     if outcome is not TransferOutcome.PENDING:
-                        kv_outcomes.add_metric([name, outcome.value],
+                        kv_outcomes.add_metric([*ids, outcome.value],
                                                float(t.outcomes_total.get(outcome.value, 0)))
                 for kind in HazardKind:
-                    kv_hazards.add_metric([name, kind.value],
+                    kv_hazards.add_metric([*ids, kind.value],
                                           float(t.hazards_total.get(kind.value, 0)))
             if s.drain is not None:
-                drain_eta.add_metric([name], s.drain.eta_seconds)
-            up.add_metric([name], 1.0 if self.store.is_up(view, now) else 0.0)
-            info.add_metric([name, s.epoch, s.kvguard_version, s.engine_kind,
-                             s.engine_version or ""], 1.0)
-            holding.add_metric([name], float(s.finished_requests_holding_blocks))
+                drain_eta.add_metric(ids, s.drain.eta_seconds)
+            up.add_metric(ids, 1.0 if self.store.is_up(view, now) else 0.0)
+            info.add_metric([*ids, s.epoch, s.kvguard_version, s.engine_kind,
+                             s.engine_version or "", str(METRICS_CONTRACT_VERSION)], 1.0)
+            holding.add_metric(ids, float(s.finished_requests_holding_blocks))
             if s.pool is not None:
                 p = s.pool
-                cap.add_metric([name], float(p.capacity))
+                cap.add_metric(ids, float(p.capacity))
                 for state, n in p.by_state().items():
-                    blocks.add_metric([name, state.value], float(n))
-                sat.add_metric([name], p.saturation_ratio)
+                    blocks.add_metric([*ids, state.value], float(n))
+                sat.add_metric(ids, p.saturation_ratio)
             # The newest report of each kind, searched from the end (a scrape reads each
             # engine's history, 256 reports: a full scan of every one was most of the
             # collector's time).
@@ -161,40 +177,40 @@ class KvguardCollector(Collector):
             r = next((r for r in reversed(history) if r.epoch == s.epoch and judged(r)), None)
             if r is not None:
                 for cause in LeakCause:
-                    leaked.add_metric([name, cause.value, r.evidence.value],
+                    leaked.add_metric([*ids, cause.value, r.evidence.value],
                                       float(r.leaked_blocks_by_cause.get(cause, 0)))
             r = next((r for r in reversed(history)
                       if r.drained and r.epoch == s.epoch and r.evidence is Evidence.DRAINED),
                      None)
             if r is not None:
-                last.add_metric([name], r.taken_at)
-                _memory_samples(name, r, allocator, device)
+                last.add_metric(ids, r.taken_at)
+                _memory_samples(ids, r, allocator, device)
                 if r.host is not None and r.host.swap_used_bytes is not None and (
                         latest_swap is None or r.taken_at > latest_swap[0]):
                     latest_swap = (r.taken_at, r.host.swap_used_bytes)
-            trend.add_metric([name], 1.0 if view.trend.verdict is TrendVerdict.LEAK_GROWING
+            trend.add_metric(ids, 1.0 if view.trend.verdict is TrendVerdict.LEAK_GROWING
                              else 0.0)
             for verdict in Verdict:
                 total = s.checkpoints_total.get(verdict.value, 0)
                 online = s.online_checkpoints_total.get(verdict.value, 0)
-                checkpoints.add_metric([name, verdict.value, Evidence.DRAINED.value],
+                checkpoints.add_metric([*ids, verdict.value, Evidence.DRAINED.value],
                                        float(total - online))
                 if verdict is not Verdict.SKIPPED:
-                    checkpoints.add_metric([name, verdict.value, Evidence.ONLINE.value],
+                    checkpoints.add_metric([*ids, verdict.value, Evidence.ONLINE.value],
                                            float(online))
             if s.online is not None:
                 o = s.online
-                sweeps.add_metric([name], float(o.sweeps_total))
-                online_seconds.add_metric([name], o.audit_seconds_total)
+                sweeps.add_metric(ids, float(o.sweeps_total))
+                online_seconds.add_metric(ids, o.audit_seconds_total)
                 if o.sweeps_total:
-                    sweep_steps.add_metric([name], float(o.last_sweep_steps))
-                    latency.add_metric([name], o.detection_latency_seconds)
+                    sweep_steps.add_metric(ids, float(o.last_sweep_steps))
+                    latency.add_metric(ids, o.detection_latency_seconds)
                 if o.last_sweep_at is not None:
-                    last_sweep.add_metric([name], o.last_sweep_at)
+                    last_sweep.add_metric(ids, o.last_sweep_at)
             for event, n in sorted(s.events_total.items()):
-                events.add_metric([name, event], float(n))
-            errors.add_metric([name], float(s.hook_errors_total))
-            unaudited.add_metric([name], float(s.drains_unaudited_total))
+                events.add_metric([*ids, event], float(n))
+            errors.add_metric(ids, float(s.hook_errors_total))
+            unaudited.add_metric(ids, float(s.drains_unaudited_total))
         read_errors = CounterMetricFamily("kvguard_sidecar_read_errors",
                                           "Engine state files the sidecar could not read.")
         read_errors.add_metric([], float(self.store.num_read_errors))
@@ -207,7 +223,12 @@ class KvguardCollector(Collector):
                     cost_skipped)
 
 
-def _memory_samples(name: str, r: CheckpointReport, allocator: GaugeMetricFamily,
+def engine_label_values(name: str, state: EngineState) -> list[str]:
+    """The values of ``ENGINE_LABELS`` for one engine, in that order."""
+    return [name, state.model_name or "", str(state.engine_index)]
+
+
+def _memory_samples(ids: list[str], r: CheckpointReport, allocator: GaugeMetricFamily,
                     device: GaugeMetricFamily) -> None:
     """``kvguard_allocator_bytes`` and ``kvguard_device_memory_bytes`` from one report."""
     a = r.allocator
@@ -217,9 +238,9 @@ def _memory_samples(name: str, r: CheckpointReport, allocator: GaugeMetricFamily
                  "inactive_split": a.inactive_split_bytes}
         for kind, value in kinds.items():
             if value is not None:
-                allocator.add_metric([name, kind], float(value))
+                allocator.add_metric([*ids, kind], float(value))
     d = r.device
     if d is not None:
         for kind, value in (("used", d.used_bytes), ("non_torch", d.non_torch_bytes)):
             if value is not None:
-                device.add_metric([name, kind], float(value))
+                device.add_metric([*ids, kind], float(value))

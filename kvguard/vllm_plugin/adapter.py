@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Final
 
-from kvguard.core.engine import EngineActivity, EngineIdentity, HoldBound
+from kvguard.core.engine import EngineActivity, EngineIdentity, HoldBound, host_part
 from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.types import FinishReason
 from kvguard.vllm_plugin.connector_bounds import connector_hold_bound
@@ -57,8 +57,10 @@ class VllmAdapter:
         """The KV connector's transfers (P/D), when the engine has a connector."""
         rank, in_group = data_parallel_rank(scheduler)
         self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
-                                        default_name=f"dp{rank}",
-                                        replica=f"dp{rank}" if in_group else None)
+                                        default_name=f"{host_part()}-dp{rank}",
+                                        replica=f"dp{rank}" if in_group else None,
+                                        model_name=served_model_name(scheduler),
+                                        engine_index=rank)
 
     @property
     def identity(self) -> EngineIdentity:
@@ -187,6 +189,17 @@ def data_parallel_rank(scheduler: Any) -> tuple[int, bool]:
     in_group = (rank > 0 or (isinstance(size, int) and size > 1)
                 or multiprocessing.current_process().name.startswith(_DP_PROCESS_PREFIX))
     return rank, in_group
+
+
+def served_model_name(scheduler: Any) -> str | None:
+    """The ``model_name`` label of vLLM's own metrics for this engine
+    (``ModelConfig.served_model_name``: the first name given to ``--served-model-name``,
+    else the model path), or None when this vLLM does not say."""
+    name = getattr(getattr(getattr(scheduler, "vllm_config", None), "model_config", None),
+                   "served_model_name", None)
+    if isinstance(name, list | tuple):
+        name = name[0] if name else None
+    return name if isinstance(name, str) and name else None
 
 
 @functools.cache

@@ -51,7 +51,9 @@ def _samples(run_dir: Path) -> dict[str, dict[tuple[tuple[str, str], ...], float
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     for fam in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in fam.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+            # vLLM's join labels (model_name, engine) are the same on every engine here
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
+            out.setdefault(s.name, {})[tuple(sorted(labels.items()))] = s.value
     return out
 
 
@@ -76,14 +78,14 @@ def test_allocator_device_and_swap_metrics_from_the_latest_drained_reports(
     m = _samples(tmp_path)
     alloc = m["kvguard_allocator_bytes"]
     assert alloc == {
-        (("engine", "dp0"), ("kind", "allocated")): 74 * GiB,
-        (("engine", "dp0"), ("kind", "reserved")): 75 * GiB,
-        (("engine", "dp0"), ("kind", "reserved_unallocated")): 1 * GiB,
-        (("engine", "dp0"), ("kind", "inactive_split")): 200 * MiB,
+        (("engine_name", "dp0"), ("kind", "allocated")): 74 * GiB,
+        (("engine_name", "dp0"), ("kind", "reserved")): 75 * GiB,
+        (("engine_name", "dp0"), ("kind", "reserved_unallocated")): 1 * GiB,
+        (("engine_name", "dp0"), ("kind", "inactive_split")): 200 * MiB,
     }
     assert m["kvguard_device_memory_bytes"] == {
-        (("engine", "dp0"), ("kind", "used")): 76 * GiB,
-        (("engine", "dp0"), ("kind", "non_torch")): 512 * MiB,  # process scope
+        (("engine_name", "dp0"), ("kind", "used")): 76 * GiB,
+        (("engine_name", "dp0"), ("kind", "non_torch")): 512 * MiB,  # process scope
     }
     # host-wide, no engine label: the most recent drained checkpoint that read swap
     assert m["kvguard_host_swap_used_bytes"] == {(): 300 * MiB}

@@ -37,54 +37,58 @@ def _m(type_: str, *labels: str, reserved: bool = False, **values: tuple[str, ..
                   reserved)
 
 
+ENGINE = ("engine_name", "model_name", "engine")
+"""Every per-engine series' labels (metrics contract 2): kvguard's fleet-unique name, and
+vLLM's own ``model_name`` and ``engine`` (its index), so that they join vLLM's series."""
+
 CONTRACT: dict[str, Metric] = {
-    "kvguard_pool_capacity_blocks": _m("gauge", "engine"),
+    "kvguard_pool_capacity_blocks": _m("gauge", *ENGINE),
     "kvguard_pool_blocks": _m(
-        "gauge", "engine", "state",
+        "gauge", *ENGINE, "state",
         state=("free", "cached", "active", "held_by_finished", "orphaned")),
-    "kvguard_cache_saturation_ratio": _m("gauge", "engine"),
-    "kvguard_finished_requests_holding_blocks": _m("gauge", "engine"),
+    "kvguard_cache_saturation_ratio": _m("gauge", *ENGINE),
+    "kvguard_finished_requests_holding_blocks": _m("gauge", *ENGINE),
     "kvguard_leaked_blocks": _m(
-        "gauge", "engine", "cause", "evidence",
+        "gauge", *ENGINE, "cause", "evidence",
         cause=("finished_request", "orphan", "refcount_drift", "double_free"),
         evidence=("drained", "online")),
     "kvguard_checkpoints_total": _m(
-        "counter", "engine", "verdict", "evidence",
+        "counter", *ENGINE, "verdict", "evidence",
         verdict=("clean", "saturated", "leak", "skipped"), evidence=("drained", "online")),
-    "kvguard_online_audit_seconds_total": _m("counter", "engine"),
-    "kvguard_online_sweep_steps": _m("gauge", "engine"),
-    "kvguard_online_detection_latency_seconds": _m("gauge", "engine"),
-    "kvguard_online_last_sweep_timestamp_seconds": _m("gauge", "engine"),
-    "kvguard_last_checkpoint_timestamp_seconds": _m("gauge", "engine"),
-    "kvguard_request_events_total": _m("counter", "engine", "event"),
-    "kvguard_hook_errors_total": _m("counter", "engine"),
-    "kvguard_engine_up": _m("gauge", "engine"),
-    "kvguard_leak_trend": _m("gauge", "engine"),
+    "kvguard_online_audit_seconds_total": _m("counter", *ENGINE),
+    "kvguard_online_sweep_steps": _m("gauge", *ENGINE),
+    "kvguard_online_detection_latency_seconds": _m("gauge", *ENGINE),
+    "kvguard_online_last_sweep_timestamp_seconds": _m("gauge", *ENGINE),
+    "kvguard_last_checkpoint_timestamp_seconds": _m("gauge", *ENGINE),
+    "kvguard_request_events_total": _m("counter", *ENGINE, "event"),
+    "kvguard_hook_errors_total": _m("counter", *ENGINE),
+    "kvguard_engine_up": _m("gauge", *ENGINE),
+    "kvguard_leak_trend": _m("gauge", *ENGINE),
     "kvguard_allocator_bytes": _m(
-        "gauge", "engine", "kind", reserved=True,
+        "gauge", *ENGINE, "kind", reserved=True,
         kind=("allocated", "reserved", "reserved_unallocated", "inactive_split")),
     "kvguard_device_memory_bytes": _m(
-        "gauge", "engine", "kind", reserved=True, kind=("used", "non_torch")),
+        "gauge", *ENGINE, "kind", reserved=True, kind=("used", "non_torch")),
     "kvguard_host_swap_used_bytes": _m("gauge"),
-    "kvguard_drain_eta_seconds": _m("gauge", "engine"),
-    "kvguard_cost_self_seconds_total": _m("counter", "engine"),
-    "kvguard_cost_scheduler_seconds_total": _m("counter", "engine"),
+    "kvguard_drain_eta_seconds": _m("gauge", *ENGINE),
+    "kvguard_cost_self_seconds_total": _m("counter", *ENGINE),
+    "kvguard_cost_scheduler_seconds_total": _m("counter", *ENGINE),
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {
-    "kvguard_engine_info": _m("gauge", "engine", "epoch", "kvguard_version", "engine_kind",
-                              "engine_version"),
+    "kvguard_engine_info": _m("gauge", *ENGINE, "epoch", "kvguard_version", "engine_kind",
+                              "engine_version", "metrics_contract"),
     "kvguard_sidecar_read_errors_total": _m("counter"),
-    "kvguard_drains_unaudited_total": _m("counter", "engine"),
-    "kvguard_online_sweeps_total": _m("counter", "engine"),
-    "kvguard_cost_sampled_steps_total": _m("counter", "engine"),
-    "kvguard_cost_windows_skipped_total": _m("counter", "engine"),
+    "kvguard_drains_unaudited_total": _m("counter", *ENGINE),
+    "kvguard_online_sweeps_total": _m("counter", *ENGINE),
+    "kvguard_cost_sampled_steps_total": _m("counter", *ENGINE),
+    "kvguard_cost_windows_skipped_total": _m("counter", *ENGINE),
     # P/D: only engines with a KV connector export these (tests/pd scrapes them).
-    "kvguard_kv_connector_info": _m("gauge", "engine", "connector", "kv_role", "kv_engine_id",
+    "kvguard_kv_connector_info": _m("gauge", *ENGINE, "connector", "kv_role", "kv_engine_id",
                                     "hold_source"),
-    "kvguard_kv_transfers_pending": _m("gauge", "engine"),
-    "kvguard_kv_transfers_total": _m("counter", "engine", "outcome"),
-    "kvguard_kv_transfer_hazards_total": _m("counter", "engine", "kind"),
+    "kvguard_kv_transfers_pending": _m("gauge", *ENGINE),
+    "kvguard_kv_transfers_total": _m("counter", *ENGINE, "outcome"),
+    "kvguard_kv_transfer_hazards_total": _m("counter", *ENGINE, "kind"),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
@@ -163,7 +167,8 @@ def panel_queries(dashboard: dict[str, Any]) -> list[PanelQuery]:
 GRAFANA_SUBSTITUTIONS = {
     "$namespace": ".*",
     "$pod": ".*",
-    "$engine": ".*",
+    "$model_name": ".*",
+    "$engine_name": ".*",
     "$__rate_interval": "15s",
     "$__interval": "5s",
 }

@@ -97,7 +97,7 @@ def test_dashboard_schema_and_datasource_variable() -> None:
                 assert target["datasource"] == panel["datasource"]
 
 
-@pytest.mark.parametrize("name", ["namespace", "pod", "engine"])
+@pytest.mark.parametrize("name", ["namespace", "pod", "model_name", "engine_name"])
 def test_label_variables_match_everything_by_default(name: str) -> None:
     var = {v["name"]: v for v in DASHBOARD["templating"]["list"]}[name]
     assert var["type"] == "query"
@@ -126,7 +126,8 @@ def test_query_filters_on_the_template_variables(q: PanelQuery) -> None:
         assert 'namespace=~"$namespace"' in matchers, (metric, q.expr)
         assert 'pod=~"$pod"' in matchers, (metric, q.expr)
         if metric not in HOST_METRICS:  # the host metric has no engine label
-            assert 'engine=~"$engine"' in matchers, (metric, q.expr)
+            assert 'model_name=~"$model_name"' in matchers, (metric, q.expr)
+            assert 'engine_name=~"$engine_name"' in matchers, (metric, q.expr)
 
 
 def test_reserved_panels_say_so() -> None:
@@ -181,7 +182,7 @@ def test_panel_query_returns_data(scraped: PrometheusServer, q: PanelQuery) -> N
 def _by_engine(result: list[dict[str, Any]], *label: str) -> dict[tuple[str, ...], float]:
     out: dict[tuple[str, ...], float] = {}
     for r in result:
-        key = (r["metric"]["engine"], *(r["metric"][name] for name in label))
+        key = (r["metric"]["engine_name"], *(r["metric"][name] for name in label))
         out[key] = out.get(key, 0.0) + float(r["value"][1])
     return out
 
@@ -197,7 +198,7 @@ def test_leaked_blocks_panel_equals_the_blocks_vllm_still_holds_at_idle(
     """The panel's leaked blocks are the blocks vLLM's own pool still references with
     nothing running: ``vllm:kv_cache_usage_perc`` x usable blocks (``num_gpu_blocks - 1``
     from ``vllm:cache_config_info``), exactly; zero on the saturated engine."""
-    _poll(scraped, f'kvguard_leaked_blocks{{engine="{SATURATED}"}}', DATA_TIMEOUT_S)
+    _poll(scraped, f'kvguard_leaked_blocks{{engine_name="{SATURATED}"}}', DATA_TIMEOUT_S)
     result = _query(scraped, grafana_expand(_panel({"kvguard_leaked_blocks"}).expr))
     assert {r["metric"]["cause"] for r in result} <= dict(
         CONTRACT["kvguard_leaked_blocks"].values)["cause"]
@@ -216,7 +217,7 @@ def test_pool_panel_matches_vllms_own_pool(scraped: PrometheusServer,
     cached blocks are those vLLM served from its prefix cache when its prompts came again."""
     states_q, capacity_q = _panel({"kvguard_pool_blocks"}), _panel(
         {"kvguard_pool_capacity_blocks"})
-    _poll(scraped, f'kvguard_pool_blocks{{engine="{SATURATED}"}}', DATA_TIMEOUT_S)
+    _poll(scraped, f'kvguard_pool_blocks{{engine_name="{SATURATED}"}}', DATA_TIMEOUT_S)
     states = _by_engine(_query(scraped, grafana_expand(states_q.expr)), "state")
     capacity = _by_engine(_query(scraped, grafana_expand(capacity_q.expr)))
     for engine in (leaking_engine, saturated_engine):
@@ -235,9 +236,10 @@ def test_pool_panel_matches_vllms_own_pool(scraped: PrometheusServer,
 def test_pool_states_sum_to_capacity(scraped: PrometheusServer) -> None:
     result = _poll(
         scraped,
-        "sum by (engine) (kvguard_pool_blocks) - sum by (engine) (kvguard_pool_capacity_blocks)",
+        "sum by (engine_name) (kvguard_pool_blocks)"
+        " - sum by (engine_name) (kvguard_pool_capacity_blocks)",
         DATA_TIMEOUT_S)
-    assert {r["metric"]["engine"] for r in result} == {LEAKING, SATURATED}
+    assert {r["metric"]["engine_name"] for r in result} == {LEAKING, SATURATED}
     assert all(float(r["value"][1]) == 0 for r in result), result
 
 
@@ -259,7 +261,7 @@ def test_every_alert_is_silent_on_saturation_while_the_leak_alert_fires(
         alerts = _alerts(scraped)
         firing = [a for a in alerts if a["state"] == "firing"
                   and a["labels"]["alertname"] == "KvguardLeakedBlocks"
-                  and a["labels"]["engine"] == LEAKING]
+                  and a["labels"]["engine_name"] == LEAKING]
         if sum(float(a["value"]) for a in firing) == truth:
             break
         if time.monotonic() > deadline:
@@ -267,19 +269,19 @@ def test_every_alert_is_silent_on_saturation_while_the_leak_alert_fires(
                         f"{ALERT_FIRING_TIMEOUT_S:.0f} s: {alerts}")
         time.sleep(1.0)
 
-    sat = f'{{engine="{SATURATED}"}}'
+    sat = f'{{engine_name="{SATURATED}"}}'
     ratio = _query(scraped, f"kvguard_cache_saturation_ratio{sat}")
     assert ratio and float(ratio[0]["value"][1]) >= 0.8, "the saturated engine is not scraped"
-    assert not [a for a in alerts if a["labels"].get("engine") == SATURATED], alerts
+    assert not [a for a in alerts if a["labels"].get("engine_name") == SATURATED], alerts
     assert _query(scraped, f"count_over_time(ALERTS{sat}[15m])") == []
     for rule in load_alerts():
-        selected = {r["metric"].get("engine") for r in _query(scraped, rule["expr"])}
+        selected = {r["metric"].get("engine_name") for r in _query(scraped, rule["expr"])}
         assert SATURATED not in selected, rule["alert"]
 
     on_leaking = {a["labels"]["alertname"] for a in alerts
-                  if a["labels"].get("engine") == LEAKING}
+                  if a["labels"].get("engine_name") == LEAKING}
     assert on_leaking <= LEAK_ALERTS, f"unexpected alerts: {on_leaking - LEAK_ALERTS}"
-    assert {a["labels"].get("engine") for a in alerts} == {LEAKING}, alerts
+    assert {a["labels"].get("engine_name") for a in alerts} == {LEAKING}, alerts
 
     rules = scraped.get("/api/v1/rules")
     evaluated = [r for g in rules["data"]["groups"] for r in g["rules"]]

@@ -194,10 +194,11 @@ def _sidecar_samples(pair: PdPair) -> dict[tuple[str, str, str], float]:
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
             if smp.name.startswith("kvguard_kv_"):
-                assert set(smp.labels) <= {"engine", "outcome", "kind", "connector", "kv_role",
-                                           "kv_engine_id", "hold_source"}, smp.labels
+                assert set(smp.labels) <= {"engine_name", "model_name", "engine", "outcome",
+                                           "kind", "connector", "kv_role", "kv_engine_id",
+                                           "hold_source"}, smp.labels
                 key = smp.labels.get("outcome") or smp.labels.get("kind") or ""
-                out[(smp.name, smp.labels["engine"], key)] = smp.value
+                out[(smp.name, smp.labels["engine_name"], key)] = smp.value
     return out
 
 

@@ -86,13 +86,15 @@ def report(cid: int, *, engine: str = "dp0", epoch: str = "e1", holding: int = 0
 
 
 def state(reports: list[CheckpointReport], *, engine: str = "dp0", epoch: str = "e1",
-          updated_at: float | None = None, hook_errors: int = 0) -> EngineState:
+          updated_at: float | None = None, hook_errors: int = 0,
+          model_name: str | None = "tiny-llama", engine_index: int = 0) -> EngineState:
     """The engine's published state after ``reports`` (its last is the latest checkpoint)."""
     last = reports[-1] if reports else None
     return EngineState(
         kvguard_version="0.1.0", engine=engine, epoch=epoch, pid=1234, started_at=1.0,
         updated_at=updated_at if updated_at is not None else time.time(),
-        engine_kind="vllm", engine_version="0.32.0", pool=last.pool if last else None,
+        engine_kind="vllm", engine_version="0.32.0", model_name=model_name,
+        engine_index=engine_index, pool=last.pool if last else None,
         finished_requests_holding_blocks=last.finished_requests_holding_blocks if last else 0,
         events_total={"admit": 10, "finish": 10}, hook_errors_total=hook_errors,
         checkpoints_total=dict(Counter(r.verdict.value for r in reports)), reports=reports)

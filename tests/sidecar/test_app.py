@@ -222,9 +222,36 @@ def test_drain_eta_is_exported_and_infinite_when_the_workload_does_not_drain(
     with _client(tmp_path) as c:
         [(labels, value, typ)] = _metrics(c)["kvguard_drain_eta_seconds"]
         body = c.get("/v1/report").text
-    assert labels == {"engine": "dp0"} and value == float("inf") and typ == "gauge"
+    assert labels == {"engine_name": "dp0", "model_name": "tiny-llama", "engine": "0"}
+    assert value == float("inf") and typ == "gauge"
     # Strict JSON for clients: no bare Infinity; "never" is null plus drains=false.
     assert "Infinity" not in body
     drain = json.loads(body)["engines"][0]["drain"]
     assert drain["drains"] is False and drain["eta_seconds"] is None
     assert "λ=3.10/s ≥ μ=2.90/s, backlog 12" in drain["explanation"]
+
+
+def test_every_engine_series_carries_vllms_join_labels_and_a_fleet_unique_name(
+    tmp_path: Path,
+) -> None:
+    """Contract 2: two engines with vLLM's same ``model_name`` and ``engine`` (a prefill
+    and a decode server on one host, each vLLM's engine 0) stay two series, told apart by
+    ``engine_name``; every per-engine series carries the three labels."""
+    write(tmp_path, state([report(1, engine="node-a-prefill")], engine="node-a-prefill"))
+    write(tmp_path, state([report(1, engine="node-a-decode", holding=1)],
+                          engine="node-a-decode"))
+    with _client(tmp_path) as c:
+        metrics = _metrics(c)
+    per_engine = {n: samples for n, samples in metrics.items()
+                  if n.startswith("kvguard_") and n != "kvguard_host_swap_used_bytes"
+                  and n != "kvguard_sidecar_read_errors_total"}
+    assert len(per_engine) >= 10
+    for name, samples in per_engine.items():
+        for labels, _, _ in samples:
+            assert labels["model_name"] == "tiny-llama" and labels["engine"] == "0", name
+            assert labels["engine_name"] in {"node-a-prefill", "node-a-decode"}, name
+    holding = {labels["engine_name"]: v for labels, v, _ in
+               metrics["kvguard_finished_requests_holding_blocks"]}
+    assert holding == {"node-a-prefill": 0.0, "node-a-decode": 1.0}
+    [info, _] = sorted(metrics["kvguard_engine_info"], key=lambda s: s[0]["engine_name"])
+    assert info[0]["metrics_contract"] == "2"

@@ -34,7 +34,7 @@ def _leaked_metric(text: str, engine: str) -> dict[str, float]:
     for fam in text_string_to_metric_families(text):
         if fam.name == "kvguard_leaked_blocks":
             for s in fam.samples:
-                if s.labels["engine"] == engine:
+                if s.labels["engine_name"] == engine:
                     out[s.labels["cause"]] = out.get(s.labels["cause"], 0.0) + s.value
     return out
 

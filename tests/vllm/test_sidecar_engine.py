@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
@@ -64,4 +65,8 @@ def test_sidecar_before_and_after_the_engine_and_checkpoint_requests(
         assert len(got) >= n_early
         assert late.get("/v1/report").json()["engines"][0]["engine"] == engine
         metrics = late.get("/metrics").text
-        assert f'kvguard_pool_capacity_blocks{{engine="{engine}"}} 63.0' in metrics
+        # Labels that join vLLM's own series: its model_name and engine index (0, alone).
+        model = h.scheduler.vllm_config.model_config.served_model_name
+        [cap] = [(s.labels, s.value) for fam in text_string_to_metric_families(metrics)
+                 for s in fam.samples if s.name == "kvguard_pool_capacity_blocks"]
+        assert cap == ({"engine_name": engine, "model_name": model, "engine": "0"}, 63.0)

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 import types
 from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
 
 import kvguard
 
 ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def supported_pythons() -> list[str]:
+    """Every CPython minor (3.x) that ``requires-python`` admits."""
+    spec = SpecifierSet(PYPROJECT["project"]["requires-python"])
+    return [f"3.{minor}" for minor in range(8, 20) if f"3.{minor}" in spec]
 
 
 def test_public_api_is_exactly_all() -> None:
@@ -31,8 +42,18 @@ def test_core_imports_neither_vllm_nor_torch() -> None:
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_mypy_strict_is_clean() -> None:
-    r = subprocess.run([sys.executable, "-m", "mypy", "kvguard"], cwd=ROOT,
+def test_requires_python_admits_3_12_and_the_tools_target_its_minimum() -> None:
+    # mypy's and ruff's targets describe the oldest Python kvguard supports; newer ones
+    # are checked by running mypy for each of them (below).
+    pythons = supported_pythons()
+    assert "3.12" in pythons, pythons
+    assert PYPROJECT["tool"]["mypy"]["python_version"] == pythons[0]
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == "py" + pythons[0].replace(".", "")
+
+
+@pytest.mark.parametrize("python", supported_pythons())
+def test_mypy_strict_is_clean(python: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "mypy", "--python-version", python], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -104,14 +104,23 @@ def hold_is_legitimate(rec: RequestRecord, rule: HoldRule) -> bool:
     while the decode side keeps the request), that deadline replaces the bound: the hold
     is legitimate while it is alive, plus ``deadline_grace_seconds``, and a finding once
     it has lapsed without a release."""
+    until = hold_legitimate_until(rec, rule)
+    return until is not None and rule.now < until
+
+
+def hold_legitimate_until(rec: RequestRecord, rule: HoldRule) -> float | None:
+    """When (Unix seconds) ``rec``'s hold stops being legitimate under ``rule``, or None
+    when it is no hold the rule allows at all. The one rule behind
+    :func:`hold_is_legitimate` (legitimate exactly while ``rule.now`` is before this); an
+    idle engine is woken at this moment to judge the drain the hold blocked."""
     if rec.delayed_free_pending and rec.hold_deadline is not None:
-        return rule.now < rec.hold_deadline + rule.deadline_grace_seconds
+        return rec.hold_deadline + rule.deadline_grace_seconds
     if rec.delayed_free_pending and rec.delayed_free_started_at is not None:
-        return rule.now - rec.delayed_free_started_at < rule.bound_seconds
+        return rec.delayed_free_started_at + rule.bound_seconds
     if rule.between_steps and rec.deferred_free_pending:
         started = rec.finished_at if rec.finished_at is not None else rule.now
-        return rule.now - started < rule.bound_seconds
-    return False
+        return started + rule.bound_seconds
+    return None
 
 
 def _held_detail(rec: RequestRecord, rule: HoldRule) -> str:

@@ -8,12 +8,13 @@ pace them instead.
 
 The pacer is a token bucket: up to ``burst`` drained audits in a row, refilled at one
 per ``interval_seconds``. A drained moment that finds no token is *owed*: it is audited
-at the first later moment that is drained and finds one, at the next drain or at the
-next admission (before the request enters, so the pool is still as the drains left it).
+at the first later moment that is drained and finds one, at the next drain, at the
+next admission (before the request enters, so the pool is still as the drains left it) or,
+on an idle engine, by its idle waker.
 Leaks persist, so the audit that pays the debt sees what the skipped drains would have
-seen; what a skipped drain costs is time: its findings come at most one interval later
-while the engine keeps working, and when the engine goes idle owing an audit (it takes
-no steps then, so nothing can run one), when the next request arrives. The published
+seen; what a skipped drain costs is time: its findings come at most one interval later,
+also when the engine goes idle owing an audit (the session asks its idle waker to run it
+on the engine's thread once the pace allows, :meth:`seconds_until_ready`). The published
 state says so while it lasts (``unaudited_drain_at``). Explicit checkpoint requests (the
 sidecar's) are never paced.
 
@@ -63,6 +64,12 @@ class CheckpointPacer:
             return True
         self._refill(mono)
         return self.tokens >= 1.0 - _EPSILON
+
+    def seconds_until_ready(self, mono: float) -> float:
+        """Seconds from ``mono`` until :meth:`ready` is True (0 when it is now)."""
+        if self.ready(mono):
+            return 0.0
+        return (1.0 - self.tokens) * self.interval_seconds
 
     def take(self, mono: float, wall: float) -> bool:
         """A drained moment: True when it is to be audited now (a token spent); False when

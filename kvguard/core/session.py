@@ -35,11 +35,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvguard.config import KvguardConfig
 from kvguard.core.checkpoint import build_report, online_report, skipped_report
-from kvguard.core.classify import HoldRule, hold_is_legitimate
+from kvguard.core.classify import HoldRule, hold_legitimate_until
 from kvguard.core.cost import CostMeter
 from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
@@ -92,11 +92,34 @@ class MemoryAttributor(Protocol):
         """``report`` with its memory sections filled."""
 
 
+class IdleWaker(Protocol):
+    """Runs the session's :meth:`GuardSession.on_idle` on the engine's own thread, once the
+    engine is idle, at the earliest after a delay. Never blocks the caller, never runs
+    ``on_idle`` while the engine steps (that would race the scheduler)."""
+
+    def wake_after(self, seconds: float) -> None:
+        """Run ``on_idle`` when the engine is idle, ``seconds`` from now at the earliest;
+        replaces an earlier wake that is later than this one."""
+
+    def close(self) -> None: ...
+
+
+class DrainBlocker(NamedTuple):
+    """Why a moment is not drained (:meth:`GuardSession.drain_blocker`)."""
+
+    reason: str
+    live_work: bool
+    """Requests waiting or running (a later free re-arms the drain check)."""
+    until: float | None = None
+    """Unix s at which the blocking hold stops being legitimate (None: not a hold)."""
+
+
 class HookErrors:
     """Failures inside kvguard hook code: counted per hook, logged once per hook."""
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
-                             "finish_requests", "transfers", "checkpoint", "cost_meter"})
+                             "finish_requests", "transfers", "checkpoint", "cost_meter",
+                             "idle_wake", "idle"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -174,6 +197,16 @@ class GuardSession:
         self._requests = requests
         self._ledger_errors_seen = 0
         self._checkpoint_requested = False
+        self.idle_waker: IdleWaker | None = None
+        """Runs :meth:`on_idle` on the engine's thread when it is idle (set by the engine
+        integration where it has one; None: an idle engine is judged at its next
+        admission or when its driver calls ``on_idle``)."""
+        self.drain_held_until: float | None = None
+        """Set exactly when the last drain check found no live work and only a legitimate
+        hold (a delayed or deferred free) in the way: when that hold's bound passes (Unix
+        s). Read at admission (one attribute per request)."""
+        self._deferred_seen_at: float | None = None
+        """When deferred frees were first seen pending with nothing in flight (Unix s)."""
         self._next_publish = 0.0
         """When ``on_step_end`` next looks at publishing (monotonic s)."""
         self._published_at = 0.0
@@ -375,38 +408,60 @@ class GuardSession:
         """Take a checkpoint at the next hook opportunity (skipped if not drained)."""
         self._checkpoint_requested = True
 
-    def drain_blocker(self, now: float) -> tuple[str, bool] | None:
-        """Why this is not a drained moment (reason, live work?), or None when it is.
+    def drain_blocker(self, now: float) -> DrainBlocker | None:
+        """Why this is not a drained moment, or None when it is.
 
         A finished request the engine still keeps blocks a drain only while its hold is
         legitimate (:func:`~kvguard.core.classify.hold_is_legitimate`); past that, it is
-        exactly what a drained checkpoint is for.
+        exactly what a drained checkpoint is for. Deferred frees left pending with no
+        batch in flight block it for the same bound from when they were first seen (a
+        step that would release them may still come; an idle engine has none in flight).
+        The answer's ``until`` says when such a hold stops blocking: an idle engine is
+        woken then (:meth:`on_idle`).
         """
         act = self.adapter.activity()
         if act.running or act.waiting:
-            return f"{act.running} running, {act.waiting} waiting", True
+            return DrainBlocker(f"{act.running} running, {act.waiting} waiting", True)
         if act.batches_in_flight:
             # No live work, but a scheduled batch is still running (async scheduling): it
             # ends at the next step end, which checks again (drain_pending stays set).
-            return f"{act.batches_in_flight} scheduled batch(es) still in flight", False
+            self._deferred_seen_at = None
+            return DrainBlocker(f"{act.batches_in_flight} scheduled batch(es) still in "
+                                "flight", False)
         if act.deferred_frees:
-            return f"{act.deferred_frees} deferred frees pending (in-flight step)", False
+            seen = self._deferred_seen_at if self._deferred_seen_at is not None else now
+            self._deferred_seen_at = seen
+            until = seen + self.delayed_free_bound
+            if now < until:
+                return DrainBlocker(f"{act.deferred_frees} deferred frees pending "
+                                    f"(in-flight step; {now - seen:.1f} s of the "
+                                    f"{self.delayed_free_bound:.0f} s bound)", False, until)
+        else:
+            self._deferred_seen_at = None
         if act.unfinished is not None:
-            return f"request {act.unfinished} is not finished", True
+            return DrainBlocker(f"request {act.unfinished} is not finished", True)
         rule = HoldRule(now=now, bound_seconds=self.delayed_free_bound)
         for rid in act.finished_held:
             rec = self.ledger.record(RequestId(rid))
-            if rec is not None and hold_is_legitimate(rec, rule):
+            ends = hold_legitimate_until(rec, rule) if rec is not None else None
+            if rec is not None and ends is not None and now < ends:
                 started = rec.delayed_free_started_at or now
                 if rec.hold_deadline is not None:
-                    return (f"request {rid} waits for its KV transfer ({now - started:.1f} s, "
-                            f"its hold ends in {rec.hold_deadline - now:.1f} s: "
-                            f"{rec.hold_source})"), False
-                return (f"request {rid} waits for its KV transfer ({now - started:.1f} s of "
-                        f"the {self.delayed_free_bound:.0f} s bound)"), False
+                    return DrainBlocker(
+                        f"request {rid} waits for its KV transfer ({now - started:.1f} s, "
+                        f"its hold ends in {rec.hold_deadline - now:.1f} s: "
+                        f"{rec.hold_source})", False, ends)
+                return DrainBlocker(
+                    f"request {rid} waits for its KV transfer ({now - started:.1f} s of "
+                    f"the {self.delayed_free_bound:.0f} s bound)", False, ends)
         return None
 
     def maybe_checkpoint(self) -> CheckpointReport | None:
+        """Judge this moment if it is drained (or report ``skipped`` when one was asked
+        for and it is not). Sets :attr:`drain_held_until` when only a legitimate hold keeps
+        it from being drained, and wakes an idle engine then (or when the pace next
+        allows an audit it let go)."""
+        self.drain_held_until = None
         if not self._checkpoint_requested and self.adapter.has_live_work():
             # Not drained, as drain_blocker would say first, without building its answer
             # (called after every free: under load nearly always this).
@@ -415,28 +470,71 @@ class GuardSession:
         now = time.time()
         blocked = self.drain_blocker(now)
         if blocked is not None:
-            reason, live_work = blocked
+            reason = blocked.reason
             if self._checkpoint_requested:
                 self._checkpoint_requested = False
-                if live_work:
+                if blocked.live_work:
                     reason += "; " + self.drain_prediction(now).explanation
+                self._hold_until(blocked.until, now)
                 return self._record(skipped_report(
                     reason, checkpoint_id=self._take_id(), engine=self.engine,
                     epoch=self.epoch, taken_at=now))
-            if live_work:
+            if blocked.live_work:
                 self.drain_pending = False  # the next free re-arms it
+            else:
+                self._hold_until(blocked.until, now)
             return None
         self.drain_pending = False
-        if not self._checkpoint_requested and not self.pacer.take(time.monotonic(), now):
-            return None  # owed: the next drained moment or admission the pace allows
+        mono = time.monotonic()
+        if not self._checkpoint_requested and not self.pacer.take(mono, now):
+            # Owed: audited at the next drained moment or admission the pace allows, or,
+            # idle, when the waker runs on_idle once the pace allows.
+            self._wake_after(self.pacer.seconds_until_ready(mono))
+            return None
         self._checkpoint_requested = False
         return self.checkpoint_now(now=now)
 
+    def _hold_until(self, until: float | None, now: float) -> None:
+        """A legitimate hold alone blocks this drain until ``until`` (Unix s; None: no
+        hold, e.g. a batch in flight, which ends at a step)."""
+        if until is not None:
+            self.drain_held_until = until
+            self._wake_after(until - now)
+
+    def _wake_after(self, seconds: float) -> None:
+        waker = self.idle_waker
+        if waker is not None:
+            with self.contain("idle_wake"):
+                waker.wake_after(max(0.0, seconds))
+
     def on_admitting(self) -> None:
-        """Before a request enters, while a drained audit is owed (``pacer.owed_since``):
-        take it now if the pace allows and the engine is still drained (the pool is as the
-        skipped drain left it; an engine gone idle owing one takes no steps to run it)."""
-        if self.pacer.ready(time.monotonic()):
+        """Before a request enters, while a drained audit waits: one the pace let go
+        (``pacer.owed_since``; taken now if the pace allows) or a drain a legitimate hold
+        blocked whose bound has passed (:attr:`drain_held_until`). The engine is still as
+        that drain left it. This is how an in-process engine, which nothing steps while
+        its caller does not, is judged at the next call into it (or at :meth:`on_idle`)."""
+        held = self.drain_held_until
+        if (held is not None and time.time() >= held) or (
+                self.pacer.owed_since is not None and self.pacer.ready(time.monotonic())):
+            self.maybe_checkpoint()
+
+    def on_idle(self) -> None:
+        """The engine is idle (nothing to step until a request arrives) and this runs on its
+        own thread, between its steps: judge what waited for a moment the engine would not
+        give. A checkpoint asked for (the request file), a drain a legitimate hold blocked
+        (judged again now that the hold may have passed its bound), a drain the pace let go
+        (audited when the pace allows). Does nothing when none of these waits.
+
+        Called by the engine integration's :class:`IdleWaker` (multiprocess vLLM: inside
+        EngineCore's busy loop), or by whoever drives an in-process engine, from the thread
+        that steps it, while it does not."""
+        if self._requests is not None and self._requests.poll():
+            self._checkpoint_requested = True
+        if self.transfers is not None:
+            with self.contain("transfers"):
+                self.poll_transfers(time.time())
+        owed = self.pacer.owed_since is not None and self.pacer.ready(time.monotonic())
+        if self._checkpoint_requested or self.drain_pending or owed:
             self.maybe_checkpoint()
 
     def checkpoint_now(self, *, now: float | None = None) -> CheckpointReport:
@@ -646,6 +744,8 @@ class GuardSession:
             self.publisher.offer(self.state())
 
     def close(self) -> None:
+        if self.idle_waker is not None:
+            self.idle_waker.close()
         self.publisher.close()
 
 

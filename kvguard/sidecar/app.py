@@ -179,7 +179,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
         return CheckpointRequestResponse(
             requested=names,
             note="each engine checkpoints at its next drained moment, or reports 'skipped' "
-                 "with the reason; an idle engine's latest checkpoint is already current")
+                 "with the reason; an idle engine takes it within about a second")
 
     register_pages(app)
     return app

@@ -2,7 +2,8 @@
 
 The sidecar writes ``<run_dir>/<engine>.checkpoint-request`` (its content is
 the Unix time of the request); the engine notices a newer file at its next
-step and takes a checkpoint at its next drained moment (or reports
+step, or, idle, through its idle waker (a ``stat`` every 0.25 s off the engine
+thread), and takes a checkpoint at its next drained moment (or reports
 ``skipped`` with the reason). Files, not sockets: the engine never waits for
 the sidecar, and the request survives either side restarting.
 """

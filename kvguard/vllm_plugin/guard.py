@@ -55,6 +55,11 @@ class RequestFile:
         self._engine = engine
         self._seen_ns = request_mtime_ns(run_dir, engine)
 
+    def pending(self) -> bool:
+        """One ``stat``: True when the file is newer than at the last poll. Reads only:
+        safe from another thread (the idle waker's) while the engine thread polls."""
+        return request_mtime_ns(self._run_dir, self._engine) > self._seen_ns
+
     def poll(self) -> bool:
         """One ``stat``: True when the file is newer than at the last poll."""
         mtime = request_mtime_ns(self._run_dir, self._engine)
@@ -75,9 +80,11 @@ class EngineGuard(GuardSession):
         self.kv_cache_manager = adapter.kv_cache_manager
         self.block_pool = adapter.block_pool
         engine = _unique_name(adapter.identity.name(config.engine_name))
+        self.requests = RequestFile(config.run_dir, engine)
+        """The sidecar's checkpoint requests (polled at step ends, and by the idle waker)."""
         super().__init__(adapter, config, engine=engine,
                          sink=StatePublisher(config.run_dir, engine),
-                         requests=RequestFile(config.run_dir, engine))
+                         requests=self.requests)
         self.vllm = adapter
         self.installed_hooks: list[InstalledHook] = []
         """Every hook in place, plain and metered (the cost meter switches between them)."""

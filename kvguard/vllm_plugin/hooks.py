@@ -6,7 +6,7 @@ Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone
 ``BlockPool.get_new_blocks``                     blocks allocated (unattributed until claimed)
 ``BlockPool.touch``                              prefix-cache hit: a reference on a cached block
 ``BlockPool.free_blocks`` / ``unpin_blocks``     references released
-``Scheduler.add_request``                        admit (first: a drained audit the pace owes)
+``Scheduler.add_request``                        admit (first: a drained audit still due)
 ``Scheduler._preempt_request``                   preempt (the request's blocks are freed)
 ``Scheduler._free_request``                      finish with reason; connector may delay the free
 ``Scheduler._free_request_blocks``               the free itself, possibly deferred
@@ -252,7 +252,10 @@ def install_hooks(g: EngineGuard) -> None:
 
     def make_add_request(orig: Callable[..., Any]) -> Callable[..., Any]:
         def add_request(request: Any, *args: Any, **kwargs: Any) -> Any:
-            if pacer.owed_since is not None:  # a drain went unaudited: audit before it enters
+            if pacer.owed_since is not None or g.drain_held_until is not None:
+                # A drain went unaudited (the pace, or a hold whose bound may have passed
+                # since: an in-process engine is not stepped while idle): audit before it
+                # enters, if due.
                 try:
                     g.on_admitting()
                 except Exception as exc:

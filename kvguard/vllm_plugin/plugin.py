@@ -74,6 +74,7 @@ def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
     """
     from kvguard.vllm_plugin.guard import EngineGuard, guard_of
     from kvguard.vllm_plugin.hooks import install_hooks
+    from kvguard.vllm_plugin.idle import bind_idle_wakeups
 
     existing = guard_of(scheduler)
     if existing is not None:
@@ -92,6 +93,7 @@ def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
                         "kvguard.chaos.faults.scheduler.ChaosScheduler")
         install_hooks(guard)
         scheduler._kvguard = guard
+        bind_idle_wakeups()  # multiprocess EngineCore: its busy loop starts after this
         log.info("kvguard attached to engine %s (%d hooks, %d missing); state in %s",
                  guard.engine, len(guard.hooks_installed), len(guard.hooks_missing),
                  guard.publisher.path)

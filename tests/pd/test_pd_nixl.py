@@ -243,6 +243,29 @@ def test_a_completion_lost_below_kvguard_on_the_prefill_side_is_caught(pair: PdP
     assert f.blocks == held and "hold ended" in f.detail
 
 
+def test_the_lost_send_completion_reaches_the_sidecar_with_no_further_traffic(
+        pair: PdPair) -> None:
+    """Issue 41: after the previous test's lost completion nothing is sent to the prefill
+    engine; the sidecar's ``kvguard_leaked_blocks`` still equals what vLLM holds."""
+    from fastapi.testclient import TestClient
+
+    from kvguard.sidecar.app import create_app
+    from kvguard.sidecar.store import EngineStore
+
+    assert _record(pair, "prefill", "lost-1") is not None, "runs after the lost completion"
+    assert _vllm(pair.prefill.base_url, "vllm:num_requests_running") \
+        + _vllm(pair.prefill.base_url, "vllm:num_requests_waiting") == 0
+    held = blocks_in_use(pair.prefill)
+    store = EngineStore(pair.run_dir)
+    store.refresh()
+    with TestClient(create_app(store)) as client:
+        text = client.get("/metrics").text
+    leaked = sum(smp.value for fam in text_string_to_metric_families(text)
+                 for smp in fam.samples if smp.name == "kvguard_leaked_blocks"
+                 and smp.labels.get("engine") == "prefill")
+    assert held > 0 and leaked == held
+
+
 def test_a_prefill_hold_for_an_aborted_decode_is_named_across_engines(pair: PdPair) -> None:
     from fastapi.testclient import TestClient
 

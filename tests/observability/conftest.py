@@ -58,6 +58,8 @@ from kvguard.demo.warmup import WARMUP_PROMPT_TOKENS
 from kvguard.demo.workload import rank_headers, run_workload
 
 PROMETHEUS_READY_TIMEOUT_S = 15.0
+POD = "obs-pod-0"
+"""The ``pod`` label both scrape jobs carry (what a PodMonitor gives a pod's targets)."""
 SIDECAR_READY_TIMEOUT_S = 30.0
 SERVER_HEALTH_TIMEOUT_S = 400.0
 """Two engine cores start on two cores, next to whatever else runs: one took 132 s on a
@@ -269,14 +271,23 @@ def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine
     targets = [urllib.parse.urlsplit(u) for u in sorted(
         {e.sidecar_metrics_url for e in (leaking_engine, saturated_engine)})]
     assert {t.path for t in targets} == {"/metrics"}, targets
+    vllm_target = urllib.parse.urlsplit(leaking_engine.vllm_url).netloc
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
+        # vLLM's own /metrics too, as a fleet scrapes both: in Kubernetes both targets of
+        # one pod get that pod's labels; here a static ``pod`` label stands in for them.
         "scrape_configs": [{
             "job_name": "kvguard",
             "scheme": "http",
             "metrics_path": "/metrics",
-            "static_configs": [{"targets": [t.netloc for t in targets]}],
+            "static_configs": [{"targets": [t.netloc for t in targets],
+                                "labels": {"pod": POD}}],
+        }, {
+            "job_name": "vllm",
+            "scheme": "http",
+            "metrics_path": "/metrics",
+            "static_configs": [{"targets": [vllm_target], "labels": {"pod": POD}}],
         }],
     }
     config_file = work / "prometheus.yml"

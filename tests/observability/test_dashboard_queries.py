@@ -288,3 +288,25 @@ def test_every_alert_is_silent_on_saturation_while_the_leak_alert_fires(
     assert {r["name"] for r in evaluated} == {a["alert"] for a in load_alerts()}
     for rule in evaluated:
         assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
+
+
+# The join README's "Joining vLLM's series" documents: kvguard's series carry vLLM's own
+# model_name and engine, and the scrape's pod label comes with both targets.
+VLLM_JOIN = ("vllm:kv_cache_usage_perc * on(pod, model_name, engine) "
+             "group_left(engine_name) kvguard_pool_capacity_blocks")
+
+
+def test_kvguard_series_join_vllms_own_on_model_name_and_engine(
+        scraped: PrometheusServer, leaking_engine: ObservedEngine,
+        saturated_engine: SaturatedEngine) -> None:
+    """vLLM's usage ratio times kvguard's capacity, joined per engine, is the number of
+    blocks vLLM itself says are in use: one series per rank, named by kvguard."""
+    result = _poll(scraped, f"count({VLLM_JOIN})", DATA_TIMEOUT_S)
+    assert float(result[0]["value"][1]) == 2, result
+    joined = {r["metric"]["engine"]: r for r in _query(scraped, VLLM_JOIN)}
+    assert set(joined) == {leaking_engine.vllm_engine, saturated_engine.vllm_engine}
+    for engine in (leaking_engine, saturated_engine):
+        r = joined[engine.vllm_engine]
+        assert r["metric"]["engine_name"] == engine.name
+        assert float(r["value"][1]) == pytest.approx(vllm_blocks_in_use(engine)), r
+    assert vllm_blocks_in_use(leaking_engine) > 0

@@ -115,7 +115,7 @@ def sidecar_leaked_blocks(s: IdleServer) -> float:
     text = _get(s.sidecar_url + "/metrics").decode()
     return sum(smp.value for fam in text_string_to_metric_families(text)
                for smp in fam.samples
-               if smp.name == "kvguard_leaked_blocks" and smp.labels.get("engine") == ENGINE)
+               if smp.name == "kvguard_leaked_blocks" and smp.labels.get("engine_name") == ENGINE)
 
 
 def sidecar_latest(s: IdleServer) -> dict[str, Any] | None:
@@ -335,7 +335,7 @@ def test_the_leak_alert_fires_on_the_idle_engine_with_no_further_traffic(
         alerts = idle.prometheus.get("/api/v1/alerts")["data"]["alerts"]
         got = [a for a in alerts if a["state"] == "firing"
                and a["labels"]["alertname"] == "KvguardLeakedBlocks"
-               and a["labels"]["engine"] == ENGINE]
+               and a["labels"]["engine_name"] == ENGINE]
         return got if sum(float(a["value"]) for a in got) == truth else None
     got = _until(f"KvguardLeakedBlocks firing for {truth} blocks", firing,
                  ALERT_FIRING_TIMEOUT_S, 1.0)

@@ -262,7 +262,7 @@ def test_the_lost_send_completion_reaches_the_sidecar_with_no_further_traffic(
         text = client.get("/metrics").text
     leaked = sum(smp.value for fam in text_string_to_metric_families(text)
                  for smp in fam.samples if smp.name == "kvguard_leaked_blocks"
-                 and smp.labels.get("engine") == "prefill")
+                 and smp.labels.get("engine_name") == "prefill")
     assert held > 0 and leaked == held
 
 

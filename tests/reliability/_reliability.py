@@ -182,7 +182,7 @@ def metric_samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 def by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name: str, engine: str,
              label: str) -> dict[str, float]:
-    return {lbl[label]: v for lbl, v in samples.get(name, []) if lbl.get("engine") == engine}
+    return {lbl[label]: v for lbl, v in samples.get(name, []) if lbl.get("engine_name") == engine}
 
 
 def summed_by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
@@ -190,14 +190,14 @@ def summed_by_label(samples: dict[str, list[tuple[dict[str, str], float]]], name
     """Like ``by_label``, summing over the other labels (e.g. ``evidence``)."""
     out: dict[str, float] = {}
     for lbl, v in samples.get(name, []):
-        if lbl.get("engine") == engine:
+        if lbl.get("engine_name") == engine:
             out[lbl[label]] = out.get(lbl[label], 0.0) + v
     return out
 
 
 def one_value(samples: dict[str, list[tuple[dict[str, str], float]]], name: str,
               engine: str) -> float | None:
-    vals = [v for lbl, v in samples.get(name, []) if lbl.get("engine") == engine]
+    vals = [v for lbl, v in samples.get(name, []) if lbl.get("engine_name") == engine]
     assert len(vals) <= 1, (name, vals)
     return vals[0] if vals else None
 

@@ -58,7 +58,7 @@ def _ground_truth(g: EngineGuard) -> dict[str, Any]:
 def _sidecar_view(metrics_text: str, checkpoints: list[dict[str, Any]],
                   report: dict[str, Any], engine: str) -> dict[str, Any]:
     m = metric_samples(metrics_text)
-    [info] = [lbl for lbl, _ in m["kvguard_engine_info"] if lbl["engine"] == engine]
+    [info] = [lbl for lbl, _ in m["kvguard_engine_info"] if lbl["engine_name"] == engine]
     return {
         "capacity": one_value(m, "kvguard_pool_capacity_blocks", engine),
         "pool": by_label(m, "kvguard_pool_blocks", engine, "state"),

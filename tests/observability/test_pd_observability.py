@@ -174,8 +174,10 @@ def _alerts(prom: PrometheusServer) -> list[dict[str, Any]]:
 def test_the_read_after_expiry_fires_the_critical_alert_on_the_prefill_pod(
         pd_replay: PdReplay) -> None:
     """KvguardKvFreedBeforeRead fires (no ``for``) on the prefill engine and pod whose vLLM
-    logged the read after expiry; KvguardKvReadAfterExpiryNotSeen never became pending:
-    kvguard accounted for vLLM's count."""
+    logged the read after expiry; KvguardKvReadAfterExpiryNotSeen never fired and is not
+    even pending now: kvguard accounted for vLLM's count. (It may have been pending for a
+    scrape or two: vLLM's counter and kvguard's state reach Prometheus a moment apart, as
+    in a fleet, which is what its ``for: 5m`` absorbs.)"""
     prom = pd_replay.prometheus
     deadline = time.monotonic() + 10
     while True:
@@ -188,10 +190,10 @@ def test_the_read_after_expiry_fires_the_critical_alert_on_the_prefill_pod(
     assert alert["labels"]["engine_name"] == "prefill"
     assert alert["labels"]["pod"] == PODS["prefill"] and alert["labels"]["severity"] == "critical"
     assert float(alert["value"]) > 0
-    assert _query(prom, 'count_over_time(ALERTS{alertname="KvguardKvReadAfterExpiryNotSeen"}'
-                        '[15m])') == []
-    assert _query(prom, 'count_over_time(ALERTS{alertname="KvguardKvReadNotReceived"}[15m])') \
-        == []
+    for name in ("KvguardKvReadAfterExpiryNotSeen", "KvguardKvReadNotReceived"):
+        assert _query(prom, f'count_over_time(ALERTS{{alertname="{name}", '
+                            f'alertstate="firing"}}[15m])') == [], name
+        assert not [a for a in _alerts(prom) if a["labels"]["alertname"] == name], name
 
 
 def test_the_decode_sides_remote_kv_wait_leak_fires_valued_at_vllms_held_blocks(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +20,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
+BASE = K8S / "base"
+"""The base kustomization (``kubectl apply -k deploy/kubernetes`` applies it); ``pd/`` is an
+overlay of it."""
 RULE_FILE = DEPLOY / "prometheus" / "kvguard-alerts.yaml"
 SCRAPE_CONFIG = DEPLOY / "prometheus" / "scrape-config.yaml"
 YAMLLINT_CONFIG = DEPLOY / ".yamllint"
@@ -37,8 +41,21 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 
 
 def manifest_files() -> list[Path]:
-    """Every Kubernetes object file in deploy/kubernetes (not the kustomization)."""
-    return sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    """Every Kubernetes object file of the base and its examples (not the kustomizations,
+    not the P/D overlay: tests/deploy/test_pd_manifests.py renders that)."""
+    return sorted(p for p in [*K8S.glob("*.yaml"), *BASE.glob("*.yaml")]
+                  if p.name != "kustomization.yaml")
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """The objects the real ``kubectl kustomize`` renders from ``directory``."""
+    kubectl = require_tool("kubectl", "install kubectl (v1.32 bundles kustomize v5)")
+    proc = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d is not None]
+    assert all(isinstance(d, dict) for d in docs)
+    return docs
 
 
 def all_objects() -> list[tuple[Path, dict[str, Any]]]:

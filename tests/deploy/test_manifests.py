@@ -20,6 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from _deploy import (
+    BASE,
     DEPLOY,
     K8S,
     METRICS_PORT_NAME,
@@ -30,6 +31,7 @@ from _deploy import (
     all_objects,
     cli_options,
     container,
+    kustomize,
     load_documents,
     manifest_files,
     render_module,
@@ -148,8 +150,8 @@ def test_prometheusrule_spec_is_exactly_the_alert_rule_file() -> None:
 
 def test_prometheusrule_is_up_to_date_with_its_renderer() -> None:
     render = render_module()
-    assert render.render(RULE_FILE.read_text()) == (K8S / "prometheusrule.yaml").read_text(), \
-        "deploy/kubernetes/prometheusrule.yaml is stale: run " \
+    assert render.render(RULE_FILE.read_text()) == (BASE / "prometheusrule.yaml").read_text(), \
+        "deploy/kubernetes/base/prometheusrule.yaml is stale: run " \
         "python deploy/kubernetes/render_prometheusrule.py"
     proc = subprocess.run([sys.executable, str(K8S / "render_prometheusrule.py"), "--check"],
                           capture_output=True, text=True, timeout=60, check=False)
@@ -299,12 +301,24 @@ def test_network_policy_example_guards_the_metrics_port_of_these_pods() -> None:
 
 
 def test_kustomization_lists_every_manifest_but_the_examples() -> None:
-    (kustomization,) = load_documents(K8S / "kustomization.yaml")
+    (top,) = load_documents(K8S / "kustomization.yaml")
+    assert top["kind"] == "Kustomization" and top["resources"] == ["base"]
+    (kustomization,) = load_documents(BASE / "kustomization.yaml")
     assert kustomization["kind"] == "Kustomization"
     listed = kustomization["resources"]
     assert len(listed) == len(set(listed))
     expected = {p.name for p in manifest_files()} - NOT_IN_KUSTOMIZATION
     assert set(listed) == expected
+    assert {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"} == expected
+
+
+def test_kubectl_kustomize_renders_the_base_unchanged() -> None:
+    """``kubectl apply -k deploy/kubernetes`` applies exactly the base's files."""
+    rendered = kustomize(K8S)
+    files = [doc for p in manifest_files() if p.name not in NOT_IN_KUSTOMIZATION
+             for doc in load_documents(p)]
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(rendered, key=key) == sorted(files, key=key)
 
 
 # --- style -------------------------------------------------------------------------------------

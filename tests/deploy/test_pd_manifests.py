@@ -1,53 +1,158 @@
-"""deploy/kubernetes/pd: the P/D example is valid, strictly, and wired to the base's scrape."""
+"""deploy/kubernetes/pd: an overlay of the base, rendered by the real ``kubectl kustomize``.
+
+The rendered objects are validated as the base's are (``kubernetes-validate --strict``
+for the plain kinds, the prometheus-operator models for the CRDs, ``promtool`` through
+the base's tests for the rule file), and compared with the base they come from: the
+overlay may change only what makes a pod a prefill or decode engine.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
 import kubernetes_validate
 import pytest
-from _deploy import K8S, container, load_documents, the_object
+import yaml
+from _deploy import BASE, K8S, RULE_FILE, container, kustomize, load_documents
+from test_manifests import CRD_MODELS, K8S_VERSIONS, PLAIN_KINDS, _model_roundtrip
 
 PD = K8S / "pd"
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+NIXL_PORT = 5600
 
 
-def _docs() -> list[dict[str, Any]]:
-    return load_documents(PD / "pd-pair.yaml")
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return kustomize(PD)
+
+
+def _base(kind: str) -> dict[str, Any]:
+    (doc,) = [d for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml"
+              for d in load_documents(p) if d["kind"] == kind]
+    return doc
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (doc,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
 
-@pytest.mark.parametrize("version", ["1.29.0", kubernetes_validate.latest_version()])
-def test_every_pd_object_validates_strictly(version: str) -> None:
-    for doc in _docs():
+def test_the_overlay_uses_the_base_and_copies_no_manifest() -> None:
+    """Every kustomization under pd/ names the base (or a component) as a directory; no
+    Kubernetes object file lives under pd/."""
+    files = sorted(PD.rglob("*.yaml"))
+    assert {p.name for p in files} == {"kustomization.yaml"}, files
+    bases = {r for p in files for r in (load_documents(p)[0].get("resources") or [])}
+    assert "../../base" in bases
+
+
+def test_renders_two_roles_and_the_monitoring_once(rendered: list[dict[str, Any]]) -> None:
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in rendered)
+    assert kinds == sorted([
+        ("Deployment", "vllm-kvguard-prefill"), ("Deployment", "vllm-kvguard-decode"),
+        ("Service", "vllm-kvguard-prefill"), ("Service", "vllm-kvguard-decode"),
+        ("ServiceMonitor", "vllm-kvguard"), ("PrometheusRule", "kvguard")])
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_every_rendered_plain_object_validates_strictly(rendered: list[dict[str, Any]],
+                                                        version: str) -> None:
+    plain = [d for d in rendered if d["kind"] in PLAIN_KINDS]
+    assert len(plain) == 4
+    for doc in plain:
         kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_one_prefill_and_one_decode_pod_each_scraped_by_the_base_service_monitor() -> None:
-    docs = _docs()
-    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    services = [d for d in docs if d["kind"] == "Service"]
-    monitor = the_object("ServiceMonitor")["spec"]["selector"]["matchLabels"]
-    base_service = the_object("Service")["spec"]["selector"]
-    roles = {}
-    for dep in deployments.values():
-        pod = dep["spec"]["template"]
-        vllm = container(pod["spec"], "vllm")
-        cfg = json.loads(next(a.split("=", 1)[1] for a in vllm["args"]
-                              if a.startswith("--kv-transfer-config=")))
-        env = {e["name"]: e.get("value") for e in vllm["env"]}
-        roles[env["KVGUARD_ENGINE_NAME"]] = cfg["kv_role"]
-        assert cfg["kv_connector"] == "NixlConnector"
-        assert env["VLLM_PLUGINS"] == "kvguard" and env["VLLM_NIXL_SIDE_CHANNEL_PORT"]
-        assert container(pod["spec"], "kvguard")  # its own sidecar
-        # Exactly one pd Service selects this pod; the base Service selects none of them.
-        assert sum(_selects(s["spec"]["selector"], pod["metadata"]["labels"])
-                   for s in services) == 1
-        assert not _selects(base_service, pod["metadata"]["labels"])
-    assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
-    for s in services:
-        assert _selects(monitor, s["metadata"]["labels"])  # one Prometheus scrapes both
-        assert {p["name"] for p in s["spec"]["ports"]} >= {"kvguard-metrics", "nixl-side"}
+def test_strict_validation_catches_a_misspelled_field_in_the_rendering(
+        rendered: list[dict[str, Any]]) -> None:
+    doc = copy.deepcopy(_one(rendered, "Deployment", "vllm-kvguard-decode"))
+    container(doc["spec"]["template"]["spec"], "vllm")["env"][0]["valueFrm"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+
+
+def test_rendered_crds_match_their_models_and_equal_the_base(
+        rendered: list[dict[str, Any]]) -> None:
+    for kind, model in CRD_MODELS.items():
+        (doc,) = [d for d in rendered if d["kind"] == kind]
+        assert _model_roundtrip(model, doc) == doc
+        assert doc == _base(kind), f"the overlay changed the base's {kind}"
+    rule = _one(rendered, "PrometheusRule", "kvguard")
+    assert rule["spec"] == yaml.safe_load(RULE_FILE.read_text())
+
+
+def _kv_transfer_config(vllm: dict[str, Any]) -> dict[str, Any]:
+    (arg,) = [a for a in vllm["args"] if a.startswith("--kv-transfer-config=")]
+    cfg: dict[str, Any] = json.loads(arg.split("=", 1)[1])
+    return cfg
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_role_is_the_base_pod_plus_nixl_and_its_kv_role(
+        rendered: list[dict[str, Any]], role: str) -> None:
+    """The role's Deployment equals the base's but for its name, its component label
+    (selector and template), the --kv-transfer-config argument, the NIXL side channel's
+    env and container port."""
+    dep = copy.deepcopy(_one(rendered, "Deployment", f"vllm-kvguard-{role}"))
+    pod = dep["spec"]["template"]
+    vllm = container(pod["spec"], "vllm")
+    cfg = _kv_transfer_config(vllm)
+    assert cfg["kv_connector"] == "NixlConnector" and cfg["kv_role"] == ROLES[role]
+    assert cfg["kv_connector_extra_config"]["kv_lease_duration"] > 0
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["VLLM_PLUGINS"]["value"] == "kvguard"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"] == {
+        "fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == str(NIXL_PORT)
+    assert "KVGUARD_ENGINE_NAME" not in env  # the fleet-unique default: pod name + -dp<rank>
+    assert {"name": "nixl-side", "containerPort": NIXL_PORT, "protocol": "TCP"} in vllm["ports"]
+    assert container(pod["spec"], "kvguard")  # its own sidecar
+    # Undo exactly the overlay's changes: what is left is the base's Deployment.
+    vllm["args"] = [a for a in vllm["args"] if not a.startswith("--kv-transfer-config=")]
+    vllm["env"] = [e for e in vllm["env"] if not e["name"].startswith("VLLM_NIXL_")]
+    vllm["ports"] = [p for p in vllm["ports"] if p["name"] != "nixl-side"]
+    base = _base("Deployment")
+    for labels in (dep["metadata"]["labels"], pod["metadata"]["labels"],
+                   dep["spec"]["selector"]["matchLabels"]):
+        assert labels.pop("app.kubernetes.io/component") == role
+    for labels in (base["metadata"]["labels"], base["spec"]["template"]["metadata"]["labels"],
+                   base["spec"]["selector"]["matchLabels"]):
+        labels.pop("app.kubernetes.io/component", None)
+    dep["metadata"]["name"] = base["metadata"]["name"]
+    assert dep == base
+
+
+def test_each_service_selects_its_role_only_and_the_base_monitor_scrapes_both(
+        rendered: list[dict[str, Any]]) -> None:
+    monitor = _one(rendered, "ServiceMonitor", "vllm-kvguard")["spec"]
+    pods = {r: _one(rendered, "Deployment", f"vllm-kvguard-{r}")["spec"]["template"]
+            for r in ROLES}
+    for role in ROLES:
+        svc = _one(rendered, "Service", f"vllm-kvguard-{role}")
+        selected = [r for r, pod in pods.items()
+                    if _selects(svc["spec"]["selector"], pod["metadata"]["labels"])]
+        assert selected == [role]
+        dep = _one(rendered, "Deployment", f"vllm-kvguard-{role}")
+        assert _selects(dep["spec"]["selector"]["matchLabels"], pods[role]["metadata"]["labels"])
+        assert _selects(monitor["selector"]["matchLabels"], svc["metadata"]["labels"])
+        ports = {p["name"]: p for p in svc["spec"]["ports"]}
+        assert {e["port"] for e in monitor["endpoints"]} <= set(ports)  # kvguard-metrics
+        assert ports["nixl-side"]["port"] == NIXL_PORT
+
+
+def test_the_decode_side_reaches_the_prefill_side_channel_on_the_pod_ip(
+        rendered: list[dict[str, Any]]) -> None:
+    """NIXL's side channel is announced at VLLM_NIXL_SIDE_CHANNEL_HOST: the pod IP, so a
+    decode pod on another node reaches it; the port the env names is a container port."""
+    for role in ROLES:
+        vllm = container(_one(rendered, "Deployment", f"vllm-kvguard-{role}")
+                         ["spec"]["template"]["spec"], "vllm")
+        env = {e["name"]: e for e in vllm["env"]}
+        port = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
+        assert port in {p["containerPort"] for p in vllm["ports"]}

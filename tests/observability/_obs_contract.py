@@ -30,11 +30,13 @@ class Metric:
     # label -> allowed values, for the enumerated labels
     values: tuple[tuple[str, frozenset[str]], ...] = ()
     reserved: bool = False  # in the contract, exported only where a GPU probe reads it
+    pd: bool = False  # in the contract, exported only by engines with a KV connector (P/D)
 
 
-def _m(type_: str, *labels: str, reserved: bool = False, **values: tuple[str, ...]) -> Metric:
+def _m(type_: str, *labels: str, reserved: bool = False, pd: bool = False,
+       **values: tuple[str, ...]) -> Metric:
     return Metric(type_, frozenset(labels), tuple((k, frozenset(v)) for k, v in values.items()),
-                  reserved)
+                  reserved, pd)
 
 
 ENGINE = ("engine_name", "model_name", "engine")
@@ -73,6 +75,17 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_drain_eta_seconds": _m("gauge", *ENGINE),
     "kvguard_cost_self_seconds_total": _m("counter", *ENGINE),
     "kvguard_cost_scheduler_seconds_total": _m("counter", *ENGINE),
+    # P/D (issue 37): the P/D alerts and the dashboard's P/D row read these; only engines
+    # with a KV connector export them, so the P/D replay (pd_replay/) serves their data.
+    "kvguard_kv_connector_info": _m("gauge", *ENGINE, "connector", "kv_role", "kv_engine_id",
+                                    "hold_source", pd=True),
+    "kvguard_kv_transfers_pending": _m("gauge", *ENGINE, pd=True),
+    "kvguard_kv_transfers_total": _m(
+        "counter", *ENGINE, "outcome", pd=True,
+        outcome=("read", "expired_unread", "expired_partly_read", "received", "failed",
+                 "aborted_waiting", "released")),
+    "kvguard_kv_transfer_hazards_total": _m("counter", *ENGINE, "kind", pd=True,
+                                            kind=("freed_before_read",)),
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {
@@ -83,18 +96,17 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_online_sweeps_total": _m("counter", *ENGINE),
     "kvguard_cost_sampled_steps_total": _m("counter", *ENGINE),
     "kvguard_cost_windows_skipped_total": _m("counter", *ENGINE),
-    # P/D: only engines with a KV connector export these (tests/pd scrapes them).
-    "kvguard_kv_connector_info": _m("gauge", *ENGINE, "connector", "kv_role", "kv_engine_id",
-                                    "hold_source"),
-    "kvguard_kv_transfers_pending": _m("gauge", *ENGINE),
-    "kvguard_kv_transfers_total": _m("counter", *ENGINE, "outcome"),
-    "kvguard_kv_transfer_hazards_total": _m("counter", *ENGINE, "kind"),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
+PD_METRICS = frozenset(n for n, m in CONTRACT.items() if m.pd)
+"""Exported only by engines with a KV connector: the P/D replay's targets, not the
+data-parallel server's."""
 HOST_METRICS = frozenset(n for n, m in CONTRACT.items() if "engine" not in m.labels)
 
 METRIC_NAME = re.compile(r"\bkvguard_[a-z0-9_]+\b")
+VLLM_SELECTOR = re.compile(r"\b(vllm:[a-z0-9_:]+)\s*(\{[^}]*\})?")
+"""vLLM's own series in a query, with their matchers."""
 
 
 def promtool() -> str:
@@ -148,6 +160,11 @@ class PanelQuery:
     @property
     def reserved(self) -> bool:
         return bool(self.metrics) and self.metrics <= RESERVED
+
+    @property
+    def pd(self) -> bool:
+        """A P/D panel: its data comes from the P/D replay's Prometheus."""
+        return bool(self.metrics & PD_METRICS)
 
     @property
     def label(self) -> str:

@@ -21,6 +21,7 @@ never from kvguard's counters.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -48,6 +50,10 @@ from _observed import (
     vllm_capacity_blocks,
     vllm_value,
 )
+from _pd_replay import NAMESPACE as PD_NAMESPACE
+from _pd_replay import PODS as PD_PODS
+from _pd_replay import PdReplay, publish_state, serve_vllm
+from _pd_replay import phases as pd_phases
 
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.engine import EngineSpec, ServerProcess
@@ -266,7 +272,6 @@ def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
     """A real Prometheus (Debian 2.42) scraping the sidecar every second, with the
     kvguard alert rules loaded and evaluated every second."""
-    binary = prometheus_binary()
     work = tmp_path_factory.mktemp("prometheus")
     targets = [urllib.parse.urlsplit(u) for u in sorted(
         {e.sidecar_metrics_url for e in (leaking_engine, saturated_engine)})]
@@ -290,6 +295,15 @@ def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine
             "static_configs": [{"targets": [vllm_target], "labels": {"pod": POD}}],
         }],
     }
+    with _prometheus(config, work) as server:
+        yield server
+
+
+@contextmanager
+def _prometheus(config: dict[str, Any], work: Path) -> Iterator[PrometheusServer]:
+    """A real Prometheus (Debian 2.42) with ``config``, its data and log under ``work``."""
+    binary = prometheus_binary()
+    work.mkdir(parents=True, exist_ok=True)
     config_file = work / "prometheus.yml"
     config_file.write_text(yaml.safe_dump(config))
     port = free_loopback_port()
@@ -319,3 +333,68 @@ def prometheus(leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine
         yield server
     finally:
         _stop(proc)
+
+
+# ------------------------------------------------------------------ P/D replay
+
+
+PD_SCRAPES_PER_PHASE_S = 3.5
+"""Each phase stays up this long after every target was scraped with it (1 s scrapes,
+0.5 s sidecar polls): two scrapes or more per phase, so counters rise between samples."""
+
+
+def _scrape_config(job: str, targets: dict[str, str]) -> dict[str, Any]:
+    return {"job_name": job, "scheme": "http", "metrics_path": "/metrics",
+            "static_configs": [{"targets": [netloc],
+                                "labels": {"namespace": PD_NAMESPACE, "pod": PD_PODS[engine]}}
+                               for engine, netloc in sorted(targets.items())]}
+
+
+def _until_scraped(prom: PrometheusServer, after: float, targets: int) -> None:
+    """Wait until every target's latest scrape started after ``after``."""
+    deadline = time.monotonic() + PROMETHEUS_READY_TIMEOUT_S + 10
+    expr = f'count(timestamp(up{{namespace="{PD_NAMESPACE}"}} == 1) > {after:.3f})'
+    while True:
+        doc = prom.get("/api/v1/query", query=expr)
+        result = doc["data"]["result"]
+        if result and float(result[0]["value"][1]) == targets:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the P/D targets were not all scraped after {after}: "
+                        f"{prom.get('/api/v1/targets')}\n{prom.log_tail()}")
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def pd_replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdReplay]:
+    """Every phase of the recorded P/D run, played in order; the last stays served."""
+    root = tmp_path_factory.mktemp("pd-replay")
+    names = pd_phases()
+    run_dirs = {engine: root / f"{engine}-run" for engine in PD_PODS}
+    for engine, run_dir in run_dirs.items():
+        publish_state(names[0], engine, run_dir)
+    with contextlib.ExitStack() as stack:
+        sidecars = {e: stack.enter_context(_sidecar(d, engines=1)) for e, d in run_dirs.items()}
+        vllm = {e: stack.enter_context(serve_vllm(e, names[0])) for e in PD_PODS}
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                       "evaluation_interval": "1s"},
+            "rule_files": [str(RULES)],
+            "scrape_configs": [
+                _scrape_config("kvguard", {e: urllib.parse.urlsplit(u).netloc
+                                           for e, u in sidecars.items()}),
+                _scrape_config("vllm", {e: v.netloc for e, v in vllm.items()}),
+            ],
+        }
+        prom = stack.enter_context(_prometheus(config, root / "prometheus"))
+        _until_scraped(prom, 0.0, 4)
+        time.sleep(PD_SCRAPES_PER_PHASE_S)
+        for phase in names[1:]:
+            switched = time.time()
+            for engine, run_dir in run_dirs.items():
+                publish_state(phase, engine, run_dir)
+                vllm[engine].phase = phase
+            time.sleep(1.0)  # the sidecars poll their run dirs every 0.5 s
+            _until_scraped(prom, switched + 1.0, 4)
+            time.sleep(PD_SCRAPES_PER_PHASE_S)
+        yield PdReplay(prometheus=prom, sidecar_metrics_urls=sidecars, played=tuple(names))

@@ -17,6 +17,7 @@ from _obs_contract import (
     all_panels,
     load_alerts,
     load_dashboard,
+    load_rules,
     promtool,
 )
 
@@ -26,6 +27,17 @@ EXPECTED_ALERTS = {
     "KvguardNoDrainedCheckpoint": "info",
     "KvguardHookErrors": "warning",
     "KvguardDoubleFree": "critical",
+    # P/D (group kvguard-pd)
+    "KvguardKvFreedBeforeRead": "critical",
+    "KvguardKvTransfersStuck": "warning",
+    "KvguardKvDecodeLeakedBlocks": "warning",
+    "KvguardKvReadNotReceived": "warning",
+    "KvguardKvReadAfterExpiryNotSeen": "warning",
+}
+PD_RECORDS = {
+    "namespace_model_name:kvguard_kv_transfers_read:increase15m",
+    "namespace_model_name:kvguard_kv_transfers_received:increase15m",
+    "namespace_model_name:kvguard_kv_transfers_read_minus_received:increase15m",
 }
 SEVERITIES = {"info", "warning", "critical"}
 
@@ -38,7 +50,12 @@ def _run(*args: str) -> subprocess.CompletedProcess[str]:
 def test_promtool_check_rules() -> None:
     res = _run("check", "rules", RULES.name)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert f"SUCCESS: {len(load_alerts())} rules found" in res.stdout, res.stdout
+    assert f"SUCCESS: {len(load_rules())} rules found" in res.stdout, res.stdout
+
+
+def test_recording_rules_are_the_pd_comparisons() -> None:
+    records = {r["record"] for r in load_rules() if "record" in r}
+    assert records == PD_RECORDS
 
 
 def test_promtool_unit_tests_pass() -> None:
@@ -108,12 +125,32 @@ def test_no_rule_reads_saturation() -> None:
 
 
 def _rule_metric_names() -> set[str]:
+    """kvguard metrics the rules read; the file's own recorded series (``level:metric:ops``)
+    are not metrics of the contract and are left out."""
+    recorded = {r["record"] for r in load_rules() if "record" in r}
     names: set[str] = set()
-    for alert in load_alerts():
-        names |= set(METRIC_NAME.findall(alert["expr"]))
-        for text in (alert.get("annotations") or {}).values():
+    for rule in load_rules():
+        texts = [rule["expr"], *(rule.get("annotations") or {}).values()]
+        for text in texts:
+            for name in recorded:
+                text = text.replace(name, "")
             names |= set(METRIC_NAME.findall(text))
     return names
+
+
+def test_a_pd_rule_joins_vllms_own_counter_on_the_pod_model_and_engine() -> None:
+    """vLLM's NIXL counter joins kvguard's series on the labels README documents."""
+    (rule,) = [a for a in load_alerts() if a["alert"] == "KvguardKvReadAfterExpiryNotSeen"]
+    assert "vllm:nixl_num_notifications_after_expiry_total" in rule["expr"]
+    assert "on (namespace, pod, model_name, engine)" in rule["expr"]
+
+
+def test_cross_pod_records_group_by_labels_both_roles_share() -> None:
+    """Prefill and decode engines are different pods: the comparison may group only by
+    labels both pods of a model have."""
+    for rule in load_rules():
+        if rule.get("record") in PD_RECORDS and "increase(" in rule["expr"]:
+            assert "sum by (namespace, model_name)" in rule["expr"], rule["record"]
 
 
 def _dashboard_metric_names() -> set[str]:

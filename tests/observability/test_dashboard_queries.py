@@ -20,13 +20,16 @@ from _obs_contract import (
     CONTRACT,
     HOST_METRICS,
     OPERATIONAL,
+    PD_METRICS,
     RESERVED,
+    VLLM_SELECTOR,
     PanelQuery,
     PrometheusServer,
     all_panels,
     grafana_expand,
     load_alerts,
     load_dashboard,
+    load_rules,
     panel_queries,
 )
 from _observed import (
@@ -37,6 +40,7 @@ from _observed import (
     vllm_blocks_in_use,
     vllm_capacity_blocks,
 )
+from _pd_replay import PdReplay
 from prometheus_client.parser import text_string_to_metric_families
 
 # The first sample of a new target lands after about 5 s (target discovery is
@@ -82,6 +86,12 @@ def scraped(prometheus: PrometheusServer) -> PrometheusServer:
     return prometheus
 
 
+@pytest.fixture(scope="module")
+def pd_scraped(pd_replay: PdReplay) -> PrometheusServer:
+    """The P/D replay's Prometheus, every phase played."""
+    return pd_replay.prometheus
+
+
 # ------------------------------------------------------------------ structure
 
 
@@ -115,6 +125,18 @@ def test_panel_ids_are_unique() -> None:
 
 
 _SELECTOR = re.compile(r"\b(kvguard_[a-z0-9_]+)\s*(\{[^}]*\})?")
+
+
+@pytest.mark.parametrize("q", [q for q in QUERIES if VLLM_SELECTOR.search(q.expr)],
+                         ids=lambda q: q.label)
+def test_vllm_series_in_a_query_filter_on_the_pod_and_model_and_join_kvguards(
+        q: PanelQuery) -> None:
+    """vLLM's own series carry no engine_name: they are filtered on the pod and model and
+    named through the documented join with a kvguard series."""
+    for metric, matchers in VLLM_SELECTOR.findall(q.expr):
+        for label in ("namespace", "pod", "model_name"):
+            assert f'{label}=~"${label}"' in matchers, (metric, q.expr)
+    assert "on(namespace, pod, model_name, engine) group_left(engine_name)" in q.expr
 
 
 @pytest.mark.parametrize("q", QUERIES, ids=lambda q: q.label)
@@ -161,7 +183,9 @@ def test_target_exposes_the_contract(metrics_target: str) -> None:
             for label, allowed in metric.values:
                 assert sample.labels[label] in allowed, (sample.name, sample.labels)
             seen.add(sample.name)
-    missing = set(CONTRACT) - RESERVED - seen
+    # The P/D metrics come only from engines with a KV connector (test_pd_observability).
+    assert not seen & PD_METRICS, "an engine without a KV connector exports P/D series"
+    missing = set(CONTRACT) - RESERVED - PD_METRICS - seen
     assert not missing, f"target does not export {sorted(missing)}"
 
 
@@ -169,7 +193,10 @@ def test_target_exposes_the_contract(metrics_target: str) -> None:
 
 
 @pytest.mark.parametrize("q", QUERIES, ids=lambda q: q.label)
-def test_panel_query_returns_data(scraped: PrometheusServer, q: PanelQuery) -> None:
+def test_panel_query_returns_data(request: pytest.FixtureRequest, q: PanelQuery) -> None:
+    """Each panel on the Prometheus that has its data: the data-parallel server's, or the
+    P/D replay's for the P/D row (only engines with a KV connector export its series)."""
+    scraped: PrometheusServer = request.getfixturevalue("pd_scraped" if q.pd else "scraped")
     expr = grafana_expand(q.expr)
     if q.reserved:
         # exported by a later release: the query must be valid, data is optional
@@ -285,7 +312,7 @@ def test_every_alert_is_silent_on_saturation_while_the_leak_alert_fires(
 
     rules = scraped.get("/api/v1/rules")
     evaluated = [r for g in rules["data"]["groups"] for r in g["rules"]]
-    assert {r["name"] for r in evaluated} == {a["alert"] for a in load_alerts()}
+    assert {r["name"] for r in evaluated} == {r.get("alert") or r["record"] for r in load_rules()}
     for rule in evaluated:
         assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 

@@ -1,0 +1,282 @@
+"""``KvEventSubscriber``: one engine's KV-event stream, received the way a router receives it.
+
+A ZMQ SUB socket connected to the engine's PUB endpoint, on a daemon thread that owns both
+its sockets (ZMQ sockets are not thread-safe). Each message is ``(topic, seq, payload)``: an
+8-byte big-endian sequence number per batch and a msgpack ``KVEventBatch``, decoded with
+vLLM's own types (:func:`decode_batch`; vLLM is imported when the thread starts). Batches go
+into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
+
+* **gap** (a batch arrives after ``last_seq + 1``): ask the engine's ROUTER replay endpoint
+  for everything from ``last_seq + 1`` (request ``[b"", start_seq]``; it streams buffered
+  batches, then an end marker of eight 0xff bytes) and apply what closes the gap. Batches
+  replay cannot give back (evicted from vLLM's bounded buffer, or no replay endpoint) are
+  **lost**: the mirror goes on after them and records the range in ``gaps`` (``gap_open``
+  stays set until the mirror is known complete again: a clear, a restart, or a consistent
+  comparison, :meth:`KvEventSubscriber.mark_in_sync`).
+* **tail** (the engine says a batch was published that never arrived,
+  :meth:`KvEventSubscriber.want_through`): the same replay, asked from the thread.
+* **restart** (the SUB stream's sequence goes backwards: vLLM numbers batches per process,
+  from 0, with no epoch): the mirror is emptied and starts again, as a router should.
+* a batch already applied (delivered by a replay, then by SUB) is skipped.
+
+Nothing here holds token ids: decoding keeps each stored block's key, parent key and token
+count (:class:`~kvguard.kv_events.mirror.Stored`).
+
+``input_filter`` (tests only): called with each SUB message's sequence number before it is
+handled; False discards the message as if ZMQ had dropped it (counted in
+``filtered_total``). Replayed batches do not pass through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard.kv_events.digest import block_key
+from kvguard.kv_events.mirror import Cleared, Event, Mirror, Removed, Stored
+
+log = logging.getLogger("kvguard.kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""vLLM's end-of-replay marker."""
+
+MAX_GAPS_KEPT = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberOptions:
+    """How one subscriber talks to its engine. Times in seconds."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    medium: str | None = None
+    replay_timeout_seconds: float = 2.0
+    """Longest wait for the next replayed message before the replay is given up."""
+    poll_seconds: float = 0.05
+    tail_retry_seconds: float = 0.5
+    """How long a batch the engine says it published may stay missing before a replay."""
+    tail_give_up_seconds: float = 3.0
+    """After this long missing (replays included), the batch counts as lost."""
+
+
+def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
+    """The address to connect to for an endpoint the engine bound (``tcp://*:P`` and
+    ``tcp://[::]:P`` name every interface: connect to ``host`` instead)."""
+    for wildcard in ("tcp://*:", "tcp://[::]:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
+def decode_batch(payload: bytes, decoder: Any) -> list[Event]:
+    """One ``KVEventBatch`` payload as mirror events (token ids dropped, counts kept)."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    batch = decoder.decode(payload)
+    out: list[Event] = []
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            g = ev.group_idx
+            parent = None if ev.parent_block_hash is None else block_key(g, ev.parent_block_hash)
+            out.append(Stored([block_key(g, h) for h in ev.block_hashes], parent,
+                              len(ev.token_ids), ev.medium))
+        elif isinstance(ev, BlockRemoved):
+            out.append(Removed([block_key(ev.group_idx, h) for h in ev.block_hashes], ev.medium))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(Cleared())
+    return out
+
+
+class KvEventSubscriber:
+    """Keeps one engine's :class:`Mirror` from its KV events. ``start``/``close``; every other
+    method is safe from any thread (the mirror is read under ``lock``)."""
+
+    def __init__(self, opts: SubscriberOptions, *,
+                 input_filter: Callable[[int], bool] | None = None) -> None:
+        self.opts = opts
+        self.mirror = Mirror(opts.medium)
+        self.lock = threading.Lock()
+        self.input_filter = input_filter
+        self.received_total = 0
+        """Batches received on SUB (filtered ones included)."""
+        self.filtered_total = 0
+        self.duplicates_total = 0
+        self.replays_total = 0
+        self.replayed_batches_total = 0
+        self.lost_batches_total = 0
+        self.restarts_total = 0
+        self.decode_errors_total = 0
+        self.gaps: deque[tuple[int, int]] = deque(maxlen=MAX_GAPS_KEPT)
+        """Ranges of lost batches (first, last), oldest first."""
+        self.gap_open = False
+        self.error: str | None = None
+        """Why the thread stopped, if it did."""
+        self._sub_last = -1
+        self._wanted = -1
+        self._wanted_since = 0.0
+        self._last_tail_replay = 0.0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvguard-kv-events-{opts.endpoint[-40:]}")
+
+    def start(self, timeout: float = 5.0) -> None:
+        """Start the thread; returns once its SUB socket is connected (or ``timeout`` s).
+
+        Imports vLLM's event types first, on the calling thread (seconds, once per process:
+        vLLM imports torch), so that the SUB socket connects as soon as the thread runs."""
+        with contextlib.suppress(ImportError):  # the thread says why in ``error``
+            import vllm.distributed.kv_events  # noqa: F401
+        self._thread.start()
+        self._ready.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def want_through(self, seq: int) -> None:
+        """The engine says batch ``seq`` was published: if it has not arrived, the thread
+        asks for a replay (after ``tail_retry_seconds``) and, failing that, records it lost."""
+        with self.lock:
+            if seq > self._wanted:
+                self._wanted = seq
+                self._wanted_since = time.monotonic()
+
+    def mark_in_sync(self) -> None:
+        """A comparison found the mirror equal to the pool: a gap no longer matters."""
+        with self.lock:
+            self.gap_open = False
+
+    # ------------------------------------------------------------ thread
+    def _run(self) -> None:
+        try:
+            import msgspec
+            import zmq
+            from vllm.distributed.kv_events import KVEventBatch
+        except ImportError as exc:
+            self.error = (f"cannot decode vLLM's KV events here ({exc}); install vllm in the "
+                          "sidecar's environment")
+            self._ready.set()
+            return
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, self.opts.topic.encode())
+            sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: the publisher's hwm rules
+            sub.connect(connect_address(self.opts.endpoint))
+            self._ready.set()
+            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+            poll_ms = int(self.opts.poll_seconds * 1000)
+            while not self._stop.is_set():
+                if sub.poll(poll_ms):
+                    frames = sub.recv_multipart()
+                    if len(frames) == 3:
+                        self._on_sub(int.from_bytes(frames[1], "big"), frames[2], ctx, decoder)
+                else:
+                    self._check_tail(ctx, decoder)
+        except Exception as exc:  # the sidecar goes on; the mirror is reported broken
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("kvguard KV-event subscriber for %s stopped: %s", self.opts.endpoint,
+                      self.error)
+        finally:
+            self._ready.set()
+            sub.close(linger=0)
+            ctx.term()
+
+    def _on_sub(self, seq: int, payload: bytes, ctx: Any, decoder: Any) -> None:
+        self.received_total += 1
+        if self.input_filter is not None and not self.input_filter(seq):
+            self.filtered_total += 1
+            return
+        if seq <= self._sub_last:  # SUB delivers one publisher in order: a new publisher
+            with self.lock:
+                self.restarts_total += 1
+                self.mirror.reset(-1)
+                self.gap_open = False
+                self._wanted = -1
+        self._sub_last = seq
+        last = self.mirror.last_seq
+        if seq <= last:
+            self.duplicates_total += 1  # already applied from a replay
+            return
+        if seq > last + 1:
+            self._replay(last + 1, ctx, decoder)
+            last = self.mirror.last_seq
+            if seq <= last:
+                self.duplicates_total += 1
+                return
+            if seq > last + 1:
+                self._lose(last + 1, seq - 1)
+        self._apply(seq, payload, decoder)
+
+    def _check_tail(self, ctx: Any, decoder: Any) -> None:
+        with self.lock:
+            wanted, since = self._wanted, self._wanted_since
+        if wanted <= self.mirror.last_seq:
+            return
+        now = time.monotonic()
+        if now - since < self.opts.tail_retry_seconds or \
+                now - self._last_tail_replay < self.opts.tail_retry_seconds:
+            return
+        self._last_tail_replay = now
+        self._replay(self.mirror.last_seq + 1, ctx, decoder)
+        last = self.mirror.last_seq
+        if last < wanted and now - since >= self.opts.tail_give_up_seconds:
+            self._lose(last + 1, wanted)
+
+    def _replay(self, start: int, ctx: Any, decoder: Any) -> None:
+        """Apply replayed batches from ``start`` on, in order, up to the first one missing."""
+        endpoint = self.opts.replay_endpoint
+        if endpoint is None:
+            return
+        import zmq
+
+        self.replays_total += 1
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.connect(connect_address(endpoint))
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            timeout_ms = int(self.opts.replay_timeout_seconds * 1000)
+            while sock.poll(timeout_ms):
+                frames = sock.recv_multipart()
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    return
+                seq = int.from_bytes(frames[2], "big")
+                if seq == self.mirror.last_seq + 1:
+                    self.replayed_batches_total += 1
+                    self._apply(seq, frames[3], decoder)
+        finally:
+            sock.close(linger=0)
+
+    def _lose(self, first: int, last: int) -> None:
+        with self.lock:
+            self.lost_batches_total += last - first + 1
+            self.gaps.append((first, last))
+            self.gap_open = True
+            self.mirror.skip_to(last)
+        log.warning("kvguard: KV-event batches %d-%d from %s are lost (replay could not give "
+                    "them back); the mirror may now differ from the engine", first, last,
+                    self.opts.endpoint)
+
+    def _apply(self, seq: int, payload: bytes, decoder: Any) -> None:
+        try:
+            events = decode_batch(payload, decoder)
+        except Exception:
+            self.decode_errors_total += 1
+            events = []
+        with self.lock:
+            self.mirror.apply(seq, events)
+            if any(isinstance(e, Cleared) for e in events):
+                self.gap_open = False

@@ -89,6 +89,9 @@ class KvguardConfig:
     """kvguard meters its own time on the engine thread in one window of 8 steps per this
     many steps (``kvguard_cost_*`` metrics; 0: off). The other steps run hooks with no
     clock in them."""
+    kv_events_watch: bool = True
+    """The sidecar follows the KV events of every engine that publishes them
+    (``--kv-events-config``) and checks its mirror against the pool (``kvguard_kv_events_*``)."""
     kv_events_max_keys: int = 4096
     """The KV-event mirror check: an engine whose pool holds at most this many hashed blocks
     publishes their keys (hashes) at drained checkpoints, so the first differing blocks can be

@@ -22,9 +22,10 @@ into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
 Nothing here holds token ids: decoding keeps each stored block's key, parent key and token
 count (:class:`~kvguard.kv_events.mirror.Stored`).
 
-``input_filter`` (tests only): called with each SUB message's sequence number before it is
-handled; False discards the message as if ZMQ had dropped it (counted in
-``filtered_total``). Replayed batches do not pass through it.
+``input_filter`` (tests only): called with each batch's sequence number, and whether it came
+from a replay, before it is handled; False discards the batch as if it had been lost on the
+way (counted in ``filtered_total``): dropping a SUB message models a ZMQ drop that replay can
+repair, dropping a sequence number on both paths models one replay cannot give back.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class KvEventSubscriber:
     method is safe from any thread (the mirror is read under ``lock``)."""
 
     def __init__(self, opts: SubscriberOptions, *,
-                 input_filter: Callable[[int], bool] | None = None) -> None:
+                 input_filter: Callable[[int, bool], bool] | None = None) -> None:
         self.opts = opts
         self.mirror = Mirror(opts.medium)
         self.lock = threading.Lock()
@@ -197,7 +198,7 @@ class KvEventSubscriber:
 
     def _on_sub(self, seq: int, payload: bytes, ctx: Any, decoder: Any) -> None:
         self.received_total += 1
-        if self.input_filter is not None and not self.input_filter(seq):
+        if self.input_filter is not None and not self.input_filter(seq, False):
             self.filtered_total += 1
             return
         if seq <= self._sub_last:  # SUB delivers one publisher in order: a new publisher
@@ -237,13 +238,15 @@ class KvEventSubscriber:
             self._lose(last + 1, wanted)
 
     def _replay(self, start: int, ctx: Any, decoder: Any) -> None:
-        """Apply replayed batches from ``start`` on, in order, up to the first one missing."""
+        """Ask for every buffered batch from ``start`` on and apply them in order; a batch
+        missing between two the replay returned is lost (the ones after it still apply)."""
         endpoint = self.opts.replay_endpoint
         if endpoint is None:
             return
         import zmq
 
         self.replays_total += 1
+        got: dict[int, bytes] = {}
         sock = ctx.socket(zmq.DEALER)
         try:
             sock.connect(connect_address(endpoint))
@@ -252,13 +255,21 @@ class KvEventSubscriber:
             while sock.poll(timeout_ms):
                 frames = sock.recv_multipart()
                 if len(frames) != 4 or frames[2] == END_SEQ:
-                    return
+                    break
                 seq = int.from_bytes(frames[2], "big")
-                if seq == self.mirror.last_seq + 1:
-                    self.replayed_batches_total += 1
-                    self._apply(seq, frames[3], decoder)
+                if self.input_filter is not None and not self.input_filter(seq, True):
+                    self.filtered_total += 1
+                    continue
+                if seq > self.mirror.last_seq:
+                    got[seq] = frames[3]
         finally:
             sock.close(linger=0)
+        for seq in sorted(got):
+            last = self.mirror.last_seq
+            if seq > last + 1:
+                self._lose(last + 1, seq - 1)
+            self.replayed_batches_total += 1
+            self._apply(seq, got[seq], decoder)
 
     def _lose(self, first: int, last: int) -> None:
         with self.lock:

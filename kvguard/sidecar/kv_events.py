@@ -21,7 +21,7 @@ from kvguard.core.state import EngineState
 from kvguard.kv_events.subscriber import KvEventSubscriber, SubscriberOptions
 from kvguard.kv_events.verdict import KvEventsCheck, KvEventsVerdict, MirrorFacts, judge
 
-InputFilterFactory = Callable[[str], Callable[[int], bool] | None]
+InputFilterFactory = Callable[[str], Callable[[int, bool], bool] | None]
 """Engine name -> a subscriber input filter (tests only, see KvEventSubscriber)."""
 
 
@@ -35,8 +35,12 @@ class WatchedEngine:
 
 
 class KvEventsWatch:
-    def __init__(self, *, input_filter_for: InputFilterFactory | None = None) -> None:
+    def __init__(self, *, replay: bool = True,
+                 input_filter_for: InputFilterFactory | None = None) -> None:
+        """``replay``: ask the engine's replay endpoint for missed batches (off: a router
+        without replay, whose gaps stay open)."""
         self.engines: dict[str, WatchedEngine] = {}
+        self.replay = replay
         self.checks: dict[str, KvEventsCheck] = {}
         self._input_filter_for = input_filter_for
 
@@ -53,7 +57,8 @@ class KvEventsWatch:
                     w.subscriber.close()
                 flt = self._input_filter_for(st.engine) if self._input_filter_for else None
                 sub = KvEventSubscriber(SubscriberOptions(
-                    endpoint=kv.endpoint, replay_endpoint=kv.replay_endpoint, topic=kv.topic,
+                    endpoint=kv.endpoint,
+                    replay_endpoint=kv.replay_endpoint if self.replay else None, topic=kv.topic,
                     medium=kv.medium), input_filter=flt)
                 sub.start()
                 w = self.engines[st.engine] = WatchedEngine(sub, kv.endpoint, st.epoch)

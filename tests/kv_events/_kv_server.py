@@ -125,7 +125,8 @@ def kv_server(model_dir: Path, log_dir: Path, *, env: dict[str, str] | None = No
                  "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
                  **(env or {})}
     try:
-        with ServerProcess(spec, log_path=log_dir / "server.log", env=child_env) as server:
+        with ServerProcess(spec, log_path=log_dir / "server.log", env=child_env,
+                           health_timeout_seconds=400.0) as server:
             yield KvServer(server, run_dir, truth_dir, endpoint, replay_ep)
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)

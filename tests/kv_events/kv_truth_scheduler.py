@@ -7,10 +7,12 @@ Loaded in the server's EngineCore with ``--scheduler-cls kv_truth_scheduler.KvTr
   pool, read with vLLM's own functions, to ``$KVG_TEST_TRUTH_DIR/truth.json``: every key of
   ``BlockPool.cached_block_hash_to_block`` as ``[group, "b"|"i", hash]`` (hex for bytes hashes),
   and the number of batches its publisher was handed (counted here, independently of kvguard).
-* **A fault below kvguard** (``KVG_TEST_DROP_REMOVED=N``): the first ``N`` ``BlockRemoved``
-  events are taken out of their batch before the batch reaches vLLM's publisher (the batch
-  itself still goes out, so sequence numbers stay contiguous): the pool really evicted those
-  blocks and no subscriber can ever learn it. The dropped keys go to ``dropped.json``.
+* **A fault below kvguard**, armed by writing ``N`` to ``$KVG_TEST_TRUTH_DIR/arm_drop_removed``
+  (read and deleted at the next batch): the next ``N`` ``BlockRemoved`` events are taken out of
+  their batch before the batch reaches vLLM's publisher (the batch itself still goes out, so
+  sequence numbers stay contiguous): the pool really evicted those blocks and no subscriber
+  can ever learn it. The dropped keys go to ``dropped.json``; ``removed`` in the truth counts
+  the BlockRemoved events that did go out.
 """
 
 from __future__ import annotations
@@ -39,13 +41,19 @@ class KvTruthScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._truth_dir = Path(os.environ["KVG_TEST_TRUTH_DIR"])
-        self._drop_left = int(os.environ.get("KVG_TEST_DROP_REMOVED", "0"))
+        self._drop_left = 0
+        self._removed = 0
         self._dropped: list[list[Any]] = []
         self._batches = 0
         publisher = self.kv_event_publisher
         inner = publisher.publish
 
+        arm = self._truth_dir / "arm_drop_removed"
+
         def publish(batch: Any) -> None:
+            if arm.exists():
+                self._drop_left += int(arm.read_text())
+                arm.unlink()
             if self._drop_left > 0:
                 kept = []
                 for ev in batch.events:
@@ -57,6 +65,7 @@ class KvTruthScheduler(Scheduler):
                     kept.append(ev)
                 batch.events = kept
                 _write(self._truth_dir / "dropped.json", self._dropped)
+            self._removed += sum(isinstance(ev, BlockRemoved) for ev in batch.events)
             inner(batch)
             self._batches += 1
 
@@ -69,6 +78,7 @@ class KvTruthScheduler(Scheduler):
                 for k in raw]
         _write(self._truth_dir / "truth.json",
                {"keys": keys, "batches": self._batches, "pending": len(pool.kv_event_queue),
+                "removed": self._removed,
                 "requests": len(self.requests)})
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:

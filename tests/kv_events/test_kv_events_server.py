@@ -1,0 +1,197 @@
+"""The KV-event mirror check on a real vLLM OpenAI server, real ZMQ (``ipc://``) and kvguard in
+its EngineCore. vLLM's own pool is the truth: the test scheduler
+(:mod:`kv_truth_scheduler`) writes ``BlockPool.cached_block_hash_to_block`` after every step,
+read with vLLM's functions, independently of kvguard.
+
+One server for the module (a start costs over a minute on this machine); each test builds its
+own sidecar-side watch, whose subscriber joins late and catches up from the replay endpoint,
+and judges the engine's drained snapshot after its own workload. Losses are made on purpose,
+below kvguard:
+
+* a batch lost on the way to the subscriber: a test-side input filter discards it (SUB only:
+  replay repairs it; SUB and replay: nothing can repair it). A real ZMQ drop (PUB high-water
+  mark) cannot be produced on demand with this tiny model's batches, and the filter sits
+  exactly where such a drop shows up: a sequence number that never arrives;
+* a ``BlockRemoved`` the engine never published (the test scheduler takes it out of its batch
+  before vLLM's publisher sees it): the pool evicted the block, the sequence has no gap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from _kv_server import ENGINE, KvServer, kv_server, prompts, wait_for
+
+from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.kv_events.verdict import FIRST_BLOCKS, KvEventsCheck, KvEventsVerdict
+from kvguard.sidecar.kv_events import KvEventsWatch
+from kvguard.transport.state import EngineState
+
+
+@pytest.fixture(scope="module")
+def ks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvServer]:
+    base = tmp_path_factory.mktemp("kvev")
+    with kv_server(make_tiny_model(base / "model"), base / "srv") as server:
+        yield server
+
+
+def watch(ks: KvServer, *, drop: Callable[[int, bool], bool] | None = None) -> KvEventsWatch:
+    """A sidecar-side watch on the engine, caught up with every batch published so far."""
+    w = KvEventsWatch(input_filter_for=(lambda _name: drop) if drop else None)
+    state = ks.state()
+    assert state is not None and state.kv_events is not None
+    w.update([state])
+    sub = w.engines[ENGINE].subscriber
+    sub.want_through(state.kv_events.batches_published - 1)
+    wait_for(lambda: sub.mirror.last_seq >= state.kv_events.batches_published - 1,  # type: ignore[union-attr]
+             "the late subscriber to catch up from the replay endpoint")
+    return w
+
+
+def judged(ks: KvServer, w: KvEventsWatch) -> tuple[EngineState, KvEventsCheck]:
+    """The verdict on the engine's drained snapshot after the last workload."""
+    st = ks.drained_state()
+    snap = st.kv_events.snapshot  # type: ignore[union-attr]
+    assert snap is not None and snap.block_keys is not None
+    assert set(snap.block_keys) == ks.truth_keys()  # kvguard read vLLM's pool right
+    deadline = time.monotonic() + 30
+    while True:
+        w.update([st])
+        check = w.checks[ENGINE]
+        if check.verdict is not KvEventsVerdict.PENDING:
+            assert check.seq == snap.last_seq
+            return st, check
+        assert time.monotonic() < deadline, check.explanation
+        time.sleep(0.1)
+
+
+def mirror_keys(w: KvEventsWatch, seq: int) -> frozenset[str]:
+    sub = w.engines[ENGINE].subscriber
+    with sub.lock:
+        view = sub.mirror.view_at(seq)
+    assert view is not None
+    return view.keys
+
+
+def batches_published(ks: KvServer) -> int:
+    st = ks.state()
+    assert st is not None and st.kv_events is not None
+    return st.kv_events.batches_published
+
+
+def test_late_subscriber_mirror_equals_vllms_pool_after_prefix_heavy_load_with_evictions(
+        ks: KvServer) -> None:
+    removed_before = int(ks.truth()["removed"])  # type: ignore[call-overload]
+    w = watch(ks)
+    try:
+        sub = w.engines[ENGINE].subscriber
+        assert sub.replays_total >= 1 and sub.replayed_batches_total >= 1  # the warm-up's
+        ks.run(prompts(1, 6) + prompts(2, 6) + prompts(3, 6))
+        _, check = judged(ks, w)
+        truth = ks.truth_keys()
+        assert int(ks.truth()["removed"]) > removed_before  # type: ignore[call-overload]
+        assert check.verdict is KvEventsVerdict.CONSISTENT, check.explanation
+        assert check.pool_blocks == check.mirror_blocks == len(truth) > 0
+        assert mirror_keys(w, check.seq or 0) == truth
+        assert sub.lost_batches_total == 0 and sub.received_total > 0 and not sub.gap_open
+    finally:
+        w.close()
+
+
+def test_batch_dropped_before_the_subscriber_is_replayed_and_the_mirror_stays_consistent(
+        ks: KvServer) -> None:
+    first = batches_published(ks)
+    dropped: list[int] = []
+
+    def drop_first_sub_batch(seq: int, replayed: bool) -> bool:
+        if not replayed and seq >= first and not dropped:
+            dropped.append(seq)
+            return False
+        return True
+
+    w = watch(ks, drop=drop_first_sub_batch)
+    try:
+        sub = w.engines[ENGINE].subscriber
+        replays_before = sub.replays_total
+        ks.run(prompts(4, 6) + prompts(5, 6))
+        _, check = judged(ks, w)
+        assert dropped and sub.filtered_total == 1
+        assert sub.replays_total > replays_before and sub.lost_batches_total == 0
+        assert check.verdict is KvEventsVerdict.CONSISTENT, check.explanation
+        assert mirror_keys(w, check.seq or 0) == ks.truth_keys()
+    finally:
+        w.close()
+
+
+def test_batch_replay_cannot_give_back_is_a_gap_naming_the_blocks_the_mirror_got_wrong(
+        ks: KvServer) -> None:
+    first = batches_published(ks)
+    lost_seq = first + 1
+
+    w = watch(ks, drop=lambda seq, _replayed: seq != lost_seq)
+    try:
+        sub = w.engines[ENGINE].subscriber
+        ks.run(prompts(6, 6) + prompts(7, 6))
+        _, check = judged(ks, w)
+        truth = ks.truth_keys()
+        mirror = mirror_keys(w, check.seq or 0)
+        assert sub.lost_batches_total == 1 and list(sub.gaps) == [(lost_seq, lost_seq)]
+        assert mirror != truth
+        assert check.verdict is KvEventsVerdict.GAP, check.explanation
+        assert (check.stale_blocks, check.missing_blocks) == (len(mirror - truth),
+                                                              len(truth - mirror))
+        assert check.first_stale == sorted(mirror - truth)[:FIRST_BLOCKS]
+        assert check.first_missing == sorted(truth - mirror)[:FIRST_BLOCKS]
+    finally:
+        w.close()
+
+
+def test_blockremoved_never_published_leaves_a_stale_mirror_naming_the_evicted_block(
+        ks: KvServer) -> None:
+    w = watch(ks)
+    try:
+        sub = w.engines[ENGINE].subscriber
+        (ks.truth_dir / "arm_drop_removed").write_text("1")
+        ks.run(prompts(8, 6) + prompts(9, 6))
+        _, check = judged(ks, w)
+        truth = ks.truth_keys()
+        dropped = ks.dropped_keys()
+        evicted = dropped - truth  # evicted by vLLM and never announced
+        assert len(dropped) == 1 and evicted == dropped
+        assert sub.lost_batches_total == 0 and not sub.gaps  # no sequence gap at all
+        assert check.verdict is KvEventsVerdict.STALE, check.explanation
+        assert (check.stale_blocks, check.missing_blocks) == (1, 0)
+        assert check.first_stale == sorted(evicted)
+        assert mirror_keys(w, check.seq or 0) - truth == evicted
+    finally:
+        w.close()
+
+
+def test_reset_prefix_cache_clears_the_mirror_and_one_that_misses_the_clear_is_cleared_missed(
+        ks: KvServer) -> None:
+    clear_seq = batches_published(ks)  # idle: the next batch carries AllBlocksCleared
+    before = ks.truth_keys()
+    ok = watch(ks)
+    missed = watch(ks, drop=lambda seq, _replayed: seq != clear_seq)
+    try:
+        ks.reset_prefix_cache()
+        assert before and not ks.truth_keys()  # vLLM's pool dropped every hash
+        ks.run(prompts(10, 3))
+        st, check = judged(ks, ok)
+        snap = st.kv_events.snapshot  # type: ignore[union-attr]
+        assert snap is not None and snap.clear_seq == clear_seq
+        assert check.verdict is KvEventsVerdict.CONSISTENT, check.explanation
+        assert ok.engines[ENGINE].subscriber.mirror.clear_seq == clear_seq
+
+        _, check = judged(ks, missed)
+        truth = ks.truth_keys()
+        mirror = mirror_keys(missed, check.seq or 0)
+        assert check.verdict is KvEventsVerdict.CLEARED_MISSED, check.explanation
+        assert before - truth <= mirror  # the blocks the clear dropped are still mirrored
+        assert check.stale_blocks == len(mirror - truth) >= len(before - truth) > 0
+        assert missed.engines[ENGINE].subscriber.lost_batches_total == 1
+    finally:
+        ok.close()
+        missed.close()

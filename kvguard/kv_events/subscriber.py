@@ -15,9 +15,12 @@ into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
   comparison, :meth:`KvEventSubscriber.mark_in_sync`).
 * **tail** (the engine says a batch was published that never arrived,
   :meth:`KvEventSubscriber.want_through`): the same replay, asked from the thread.
-* **restart** (the SUB stream's sequence goes backwards: vLLM numbers batches per process,
-  from 0, with no epoch): the mirror is emptied and starts again, as a router should.
-* a batch already applied (delivered by a replay, then by SUB) is skipped.
+* **restart** (vLLM numbers batches per process, from 0, with no epoch): a SUB message whose
+  sequence number goes backwards on SUB, or that reuses a number already applied with other
+  content (the subscriber keeps a short hash of each of the last ``RECENT_BATCHES`` payloads),
+  comes from a new publisher: the mirror is emptied and starts again, as a router should.
+* a batch already applied (delivered by a replay, then by SUB: same number, same payload) is
+  skipped.
 
 Nothing here holds token ids: decoding keeps each stored block's key, parent key and token
 count (:class:`~kvguard.kv_events.mirror.Stored`).
@@ -31,10 +34,11 @@ repair, dropping a sequence number on both paths models one replay cannot give b
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +52,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """vLLM's end-of-replay marker."""
 
 MAX_GAPS_KEPT = 16
+
+RECENT_BATCHES = 4096
+"""Applied batches whose payload hash is kept, to tell a duplicate from a restarted engine's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +127,8 @@ class KvEventSubscriber:
         self.error: str | None = None
         """Why the thread stopped, if it did."""
         self._sub_last = -1
+        self._recent: OrderedDict[int, bytes] = OrderedDict()
+        """Sequence number -> short hash of the payload applied under it (the last ones)."""
         self._wanted = -1
         self._wanted_since = 0.0
         self._last_tail_replay = 0.0
@@ -201,12 +210,16 @@ class KvEventSubscriber:
         if self.input_filter is not None and not self.input_filter(seq, False):
             self.filtered_total += 1
             return
-        if seq <= self._sub_last:  # SUB delivers one publisher in order: a new publisher
+        # SUB delivers one publisher in order: a number going backwards, or one applied before
+        # with other content, comes from a new publisher (the engine restarted).
+        if seq <= self._sub_last or (seq <= self.mirror.last_seq
+                                     and self._recent.get(seq) != _short_hash(payload)):
             with self.lock:
                 self.restarts_total += 1
                 self.mirror.reset(-1)
                 self.gap_open = False
                 self._wanted = -1
+            self._recent.clear()
         self._sub_last = seq
         last = self.mirror.last_seq
         if seq <= last:
@@ -291,3 +304,10 @@ class KvEventSubscriber:
             self.mirror.apply(seq, events)
             if any(isinstance(e, Cleared) for e in events):
                 self.gap_open = False
+        self._recent[seq] = _short_hash(payload)
+        if len(self._recent) > RECENT_BATCHES:
+            self._recent.popitem(last=False)
+
+
+def _short_hash(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=8).digest()

@@ -18,16 +18,26 @@ below kvguard:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 from _kv_server import ENGINE, KvServer, kv_server, prompts, wait_for
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.cli.render import render_kv_events
 from kvguard.demo.tiny_model import make_tiny_model
 from kvguard.kv_events.verdict import FIRST_BLOCKS, KvEventsCheck, KvEventsVerdict
+from kvguard.sidecar.app import create_app
 from kvguard.sidecar.kv_events import KvEventsWatch
+from kvguard.sidecar.metrics import ENGINE_LABELS
+from kvguard.sidecar.models import ReportsResponse
+from kvguard.sidecar.store import EngineStore
 from kvguard.transport.state import EngineState
+
+ENGINE_LABELS_SORTED = sorted(ENGINE_LABELS)
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +205,63 @@ def test_reset_prefix_cache_clears_the_mirror_and_one_that_misses_the_clear_is_c
     finally:
         ok.close()
         missed.close()
+
+
+def test_sidecar_serves_the_mirror_verdict_in_report_metrics_and_cli(ks: KvServer) -> None:
+    store = EngineStore(ks.run_dir, kv_events=KvEventsWatch())
+    try:
+        store.refresh()
+        ks.run(prompts(12, 3))
+        snap = ks.drained_state().kv_events.snapshot  # type: ignore[union-attr]
+        assert snap is not None
+        deadline = time.monotonic() + 30
+        while (c := store.kv_events.checks.get(ENGINE)) is None \
+                or c.verdict is KvEventsVerdict.PENDING or c.seq != snap.last_seq:  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, c
+            time.sleep(0.1)
+            store.refresh()
+        truth = ks.truth_keys()
+        client = TestClient(create_app(store))  # not started: no refresh task, read as is
+        body = client.get("/v1/report").text
+        eng = ReportsResponse.model_validate_json(body).engines[0]
+        assert eng.kv_events is not None and eng.kv_events.verdict is KvEventsVerdict.CONSISTENT
+        assert eng.kv_events.pool_blocks == len(truth)
+        prompt = prompts(12, 1)[0]
+        assert json.dumps(prompt[:8])[1:-1] not in body  # no token ids, only hashes
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(client.get("/metrics").text)
+                   for s in fam.samples if s.name.startswith("kvguard_kv_events_")}
+        st = ks.state()
+        assert st is not None
+        ids = (("engine", str(st.engine_index)), ("engine_name", ENGINE),
+               ("model_name", st.model_name or ""))
+        assert samples[("kvguard_kv_events_mirror_blocks", (*ids, ("state", "matched")))] \
+            == len(truth)
+        assert samples[("kvguard_kv_events_mirror_blocks", (*ids, ("state", "stale")))] == 0
+        assert samples[("kvguard_kv_events_verdict", (*ids, ("verdict", "consistent")))] == 1
+        assert samples[("kvguard_kv_events_batches_lost_total", ids)] == 0
+        assert {tuple(k for k, _ in labels if k not in ("state", "verdict"))
+                for _, labels in samples} == {tuple(ENGINE_LABELS_SORTED)}
+        text = render_kv_events(ENGINE, eng.kv_events)
+        assert "KV-event mirror CONSISTENT" in text and f"pool {len(truth)} block(s)" in text
+    finally:
+        store.kv_events.close()  # type: ignore[union-attr]
+
+
+def test_engine_restart_starts_the_mirror_over_from_the_new_sequence(ks: KvServer) -> None:
+    w = watch(ks)
+    try:
+        old = ks.state()
+        before = ks.truth_keys()
+        assert old is not None and before
+        ks.server.stop()
+        ks.server.start()  # same ipc endpoints; vLLM numbers batches from 0 again
+        ks.run(prompts(13, 3))
+        st, check = judged(ks, w)
+        truth = ks.truth_keys()
+        sub = w.engines[ENGINE].subscriber
+        assert st.epoch != old.epoch and sub.restarts_total == 1
+        assert check.verdict is KvEventsVerdict.CONSISTENT, check.explanation
+        assert mirror_keys(w, check.seq or 0) == truth and not (before - truth) & truth
+    finally:
+        w.close()

@@ -30,11 +30,13 @@ class Metric:
     # label -> allowed values, for the enumerated labels
     values: tuple[tuple[str, frozenset[str]], ...] = ()
     reserved: bool = False  # in the contract, exported only where a GPU probe reads it
+    kv_events: bool = False  # in the contract, exported only for engines publishing KV events
 
 
-def _m(type_: str, *labels: str, reserved: bool = False, **values: tuple[str, ...]) -> Metric:
+def _m(type_: str, *labels: str, reserved: bool = False, kv_events: bool = False,
+       **values: tuple[str, ...]) -> Metric:
     return Metric(type_, frozenset(labels), tuple((k, frozenset(v)) for k, v in values.items()),
-                  reserved)
+                  reserved, kv_events)
 
 
 ENGINE = ("engine_name", "model_name", "engine")
@@ -73,6 +75,14 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_drain_eta_seconds": _m("gauge", *ENGINE),
     "kvguard_cost_self_seconds_total": _m("counter", *ENGINE),
     "kvguard_cost_scheduler_seconds_total": _m("counter", *ENGINE),
+    # The KV-event mirror check (issue 39): only engines run with --kv-events-config.
+    "kvguard_kv_events_mirror_blocks": _m("gauge", *ENGINE, "state", kv_events=True,
+                                          state=("matched", "stale", "missing")),
+    "kvguard_kv_events_verdict": _m(
+        "gauge", *ENGINE, "verdict", kv_events=True,
+        verdict=("pending", "consistent", "cleared_missed", "gap", "stale", "missing")),
+    "kvguard_kv_events_batches_lost_total": _m("counter", *ENGINE, kv_events=True),
+    "kvguard_kv_events_replays_total": _m("counter", *ENGINE, kv_events=True),
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {
@@ -89,9 +99,15 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_kv_transfers_pending": _m("gauge", *ENGINE),
     "kvguard_kv_transfers_total": _m("counter", *ENGINE, "outcome"),
     "kvguard_kv_transfer_hazards_total": _m("counter", *ENGINE, "kind"),
+    # The KV-event mirror check: only engines run with --kv-events-config export these.
+    "kvguard_kv_events_batches_received_total": _m("counter", *ENGINE),
+    "kvguard_kv_events_restarts_total": _m("counter", *ENGINE),
+    "kvguard_kv_events_gap_open": _m("gauge", *ENGINE),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
+KV_EVENTS = frozenset(n for n, m in CONTRACT.items() if m.kv_events)
+"""Exported only for engines that publish KV events (the observability targets do not)."""
 HOST_METRICS = frozenset(n for n, m in CONTRACT.items() if "engine" not in m.labels)
 
 METRIC_NAME = re.compile(r"\bkvguard_[a-z0-9_]+\b")
@@ -148,6 +164,11 @@ class PanelQuery:
     @property
     def reserved(self) -> bool:
         return bool(self.metrics) and self.metrics <= RESERVED
+
+    @property
+    def kv_events(self) -> bool:
+        """Only KV-event series: the observability targets (no KV events) give no data."""
+        return bool(self.metrics) and self.metrics <= KV_EVENTS
 
     @property
     def label(self) -> str:

@@ -26,6 +26,7 @@ EXPECTED_ALERTS = {
     "KvguardNoDrainedCheckpoint": "info",
     "KvguardHookErrors": "warning",
     "KvguardDoubleFree": "critical",
+    "KvguardKvEventMirrorDiverged": "warning",
 }
 SEVERITIES = {"info", "warning", "critical"}
 

@@ -1,0 +1,101 @@
+"""The subscriber against vLLM's own ``ZmqEventPublisher`` over real ZMQ (``ipc://``), in this
+process: replay on a gap, restarts, and a subscriber without replay. The engine-side events
+here are hand-made batches; test_kv_events_server.py runs the whole check on a real server."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
+
+from kvguard.kv_events.digest import block_key
+from kvguard.kv_events.subscriber import KvEventSubscriber, SubscriberOptions
+
+
+@pytest.fixture
+def endpoints() -> Iterator[tuple[str, str]]:
+    with tempfile.TemporaryDirectory(prefix="kvsub-", dir="/tmp") as d:
+        yield f"ipc://{Path(d)}/pub", f"ipc://{Path(d)}/replay"
+
+
+def stored(h: int) -> KVEventBatch:
+    return KVEventBatch(ts=time.time(), events=[BlockStored(
+        block_hashes=[h], parent_block_hash=None, token_ids=[7] * 32, block_size=32,
+        lora_id=None, medium="GPU", lora_name=None)])
+
+
+def removed(h: int) -> KVEventBatch:
+    return KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[h], medium="GPU")])
+
+
+def until(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def subscriber(pub_ep: str, replay_ep: str | None,
+               drop: Callable[[int, bool], bool] | None = None) -> KvEventSubscriber:
+    sub = KvEventSubscriber(SubscriberOptions(endpoint=pub_ep, replay_endpoint=replay_ep,
+                                              medium="GPU", tail_give_up_seconds=1.0),
+                            input_filter=drop)
+    sub.start(timeout=30)
+    time.sleep(0.3)  # ZMQ's slow joiner: the SUB connection is up before the first message
+    return sub
+
+
+def test_a_dropped_message_is_replayed_and_never_counted_twice(
+        endpoints: tuple[str, str]) -> None:
+    pub_ep, rep_ep = endpoints
+    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)
+    sub = subscriber(pub_ep, rep_ep, drop=lambda seq, replayed: replayed or seq != 1)
+    try:
+        for batch in (stored(1), stored(2), removed(1), stored(3)):
+            pub.publish(batch)
+        until(lambda: sub.mirror.last_seq == 3, "all four batches applied")
+        assert set(sub.mirror.blocks) == {block_key(None, 2), block_key(None, 3)}
+        assert (sub.filtered_total, sub.replays_total, sub.lost_batches_total) == (1, 1, 0)
+        assert sub.restarts_total == 0
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_without_replay_a_lost_batch_stays_a_gap(endpoints: tuple[str, str]) -> None:
+    pub_ep, _ = endpoints
+    pub = ZmqEventPublisher(0, endpoint=pub_ep)
+    sub = subscriber(pub_ep, None, drop=lambda seq, _replayed: seq != 1)
+    try:
+        for batch in (stored(1), stored(2), stored(3)):
+            pub.publish(batch)
+        until(lambda: sub.mirror.last_seq == 2, "the batches after the loss applied")
+        assert list(sub.gaps) == [(1, 1)] and sub.gap_open and sub.lost_batches_total == 1
+        assert set(sub.mirror.blocks) == {block_key(None, 1), block_key(None, 3)}
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+def test_a_restarted_publisher_on_the_same_endpoint_starts_the_mirror_over(
+        endpoints: tuple[str, str]) -> None:
+    pub_ep, rep_ep = endpoints
+    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)
+    sub = subscriber(pub_ep, rep_ep)
+    try:
+        for h in (1, 2, 3):
+            pub.publish(stored(h))
+        until(lambda: sub.mirror.last_seq == 2, "the first publisher's batches")
+        pub.shutdown()
+        pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)  # seq from 0
+        time.sleep(0.5)
+        pub.publish(stored(9))
+        until(lambda: sub.restarts_total == 1 and sub.mirror.last_seq == 0, "the restart")
+        assert set(sub.mirror.blocks) == {block_key(None, 9)}
+    finally:
+        sub.close()
+        pub.shutdown()

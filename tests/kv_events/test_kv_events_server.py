@@ -18,16 +18,24 @@ below kvguard:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import uvicorn
 from _kv_server import ENGINE, KvServer, kv_server, prompts, wait_for
+from browser import launch_chromium, open_page
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvguard.cli.main import main as cli_main
 from kvguard.cli.render import render_kv_events
+from kvguard.demo.ports import free_loopback_port
 from kvguard.demo.tiny_model import make_tiny_model
 from kvguard.kv_events.verdict import FIRST_BLOCKS, KvEventsCheck, KvEventsVerdict
 from kvguard.sidecar.app import create_app
@@ -207,7 +215,8 @@ def test_reset_prefix_cache_clears_the_mirror_and_one_that_misses_the_clear_is_c
         missed.close()
 
 
-def test_sidecar_serves_the_mirror_verdict_in_report_metrics_and_cli(ks: KvServer) -> None:
+def test_sidecar_serves_the_mirror_verdict_in_report_metrics_cli_and_status_page(
+        ks: KvServer, tmp_path: Path) -> None:
     store = EngineStore(ks.run_dir, kv_events=KvEventsWatch())
     try:
         store.refresh()
@@ -244,8 +253,47 @@ def test_sidecar_serves_the_mirror_verdict_in_report_metrics_and_cli(ks: KvServe
                 for _, labels in samples} == {tuple(ENGINE_LABELS_SORTED)}
         text = render_kv_events(ENGINE, eng.kv_events)
         assert "KV-event mirror CONSISTENT" in text and f"pool {len(truth)} block(s)" in text
+        with serving(store) as url:
+            out = _kv_events_cli(url)
+            shown, counts = _status_page_kv_events(url, tmp_path / "chromium")
+        assert f"== {ENGINE}: KV-event mirror CONSISTENT" in out, out
+        assert shown == "consistent" and f"pool {len(truth)} block(s)" in counts, counts
     finally:
         store.kv_events.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def serving(store: EngineStore) -> Iterator[str]:
+    """The real sidecar app on a loopback port (its refresh task runs): its base URL."""
+    port = free_loopback_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(store), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, "the sidecar to serve")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _kv_events_cli(url: str) -> str:
+    """``kvguard kv-events --sidecar URL``."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli_main(["kv-events", "--sidecar", url])
+    assert rc == 0, buf.getvalue()
+    return buf.getvalue()
+
+
+def _status_page_kv_events(url: str, tmp: Path) -> tuple[str, str]:
+    """The status page's KV-event panel in a real browser: (verdict, counts) as shown."""
+    with launch_chromium(tmp) as context, open_page(context) as page:
+        page.goto(url + "/")
+        verdict = page.get_by_test_id("kv-events-verdict")
+        verdict.wait_for(timeout=20_000)
+        return verdict.inner_text(), page.get_by_test_id("kv-events-counts").inner_text()
 
 
 def test_engine_restart_starts_the_mirror_over_from_the_new_sequence(ks: KvServer) -> None:

@@ -39,27 +39,46 @@ def until(cond: Callable[[], bool], what: str) -> None:
         time.sleep(0.02)
 
 
-def subscriber(pub_ep: str, replay_ep: str | None,
-               drop: Callable[[int, bool], bool] | None = None) -> KvEventSubscriber:
+def subscriber(pub: ZmqEventPublisher, pub_ep: str, replay_ep: str | None,
+               drop: Callable[[int, bool], bool] | None = None) -> tuple[KvEventSubscriber, int]:
+    """A subscriber whose SUB connection is up (ZMQ's slow joiner: empty batches are
+    published until one arrives on SUB); returns it and the next sequence number."""
     sub = KvEventSubscriber(SubscriberOptions(endpoint=pub_ep, replay_endpoint=replay_ep,
                                               medium="GPU", tail_give_up_seconds=1.0),
                             input_filter=drop)
     sub.start(timeout=30)
-    time.sleep(0.3)  # ZMQ's slow joiner: the SUB connection is up before the first message
-    return sub
+    return sub, connect(pub, sub, 0)
+
+
+def connect(pub: ZmqEventPublisher, sub: KvEventSubscriber, seq: int) -> int:
+    """Publish empty batches from ``seq`` on until SUB delivers one; the next number."""
+    received = sub.received_total
+    deadline = time.monotonic() + 20
+    while sub.received_total == received:
+        assert time.monotonic() < deadline, "the SUB connection never came up"
+        pub.publish(KVEventBatch(ts=time.time(), events=[]))
+        seq += 1
+        time.sleep(0.05)
+    until(lambda: sub.mirror.last_seq == seq - 1, "the probes applied")
+    return seq
 
 
 def test_a_dropped_message_is_replayed_and_never_counted_twice(
         endpoints: tuple[str, str]) -> None:
     pub_ep, rep_ep = endpoints
     pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)
-    sub = subscriber(pub_ep, rep_ep, drop=lambda seq, replayed: replayed or seq != 1)
+    lost = [1 << 62]  # set once connected: the first workload batch but one
+    sub, first = subscriber(pub, pub_ep, rep_ep,
+                            drop=lambda seq, replayed: replayed or seq != lost[0])
+    lost[0] = first + 1
+    replays, filtered = sub.replays_total, sub.filtered_total  # the probes may need some
     try:
         for batch in (stored(1), stored(2), removed(1), stored(3)):
             pub.publish(batch)
-        until(lambda: sub.mirror.last_seq == 3, "all four batches applied")
+        until(lambda: sub.mirror.last_seq == first + 3, "all four batches applied")
         assert set(sub.mirror.blocks) == {block_key(None, 2), block_key(None, 3)}
-        assert (sub.filtered_total, sub.replays_total, sub.lost_batches_total) == (1, 1, 0)
+        assert (sub.filtered_total - filtered, sub.replays_total - replays) == (1, 1)
+        assert sub.lost_batches_total == 0
         assert sub.restarts_total == 0
     finally:
         sub.close()
@@ -69,12 +88,16 @@ def test_a_dropped_message_is_replayed_and_never_counted_twice(
 def test_without_replay_a_lost_batch_stays_a_gap(endpoints: tuple[str, str]) -> None:
     pub_ep, _ = endpoints
     pub = ZmqEventPublisher(0, endpoint=pub_ep)
-    sub = subscriber(pub_ep, None, drop=lambda seq, _replayed: seq != 1)
+    lost = [1 << 62]
+    sub, first = subscriber(pub, pub_ep, None, drop=lambda seq, _replayed: seq != lost[0])
+    lost[0] = first + 1
+    gaps, lost_before = len(sub.gaps), sub.lost_batches_total  # a probe SUB missed is lost
     try:
         for batch in (stored(1), stored(2), stored(3)):
             pub.publish(batch)
-        until(lambda: sub.mirror.last_seq == 2, "the batches after the loss applied")
-        assert list(sub.gaps) == [(1, 1)] and sub.gap_open and sub.lost_batches_total == 1
+        until(lambda: sub.mirror.last_seq == first + 2, "the batches after the loss applied")
+        assert list(sub.gaps)[gaps:] == [(first + 1, first + 1)] and sub.gap_open
+        assert sub.lost_batches_total - lost_before == 1
         assert set(sub.mirror.blocks) == {block_key(None, 1), block_key(None, 3)}
     finally:
         sub.close()
@@ -85,17 +108,17 @@ def test_a_restarted_publisher_on_the_same_endpoint_starts_the_mirror_over(
         endpoints: tuple[str, str]) -> None:
     pub_ep, rep_ep = endpoints
     pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)
-    sub = subscriber(pub_ep, rep_ep)
+    sub, first = subscriber(pub, pub_ep, rep_ep)
     try:
         for h in (1, 2, 3):
             pub.publish(stored(h))
-        until(lambda: sub.mirror.last_seq == 2, "the first publisher's batches")
+        until(lambda: sub.mirror.last_seq == first + 2, "the first publisher's batches")
         pub.shutdown()
         pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)  # seq from 0
-        time.sleep(0.5)
+        seq = connect(pub, sub, 0)  # SUB reconnects; the first new batch is a restart
         pub.publish(stored(9))
-        until(lambda: sub.restarts_total == 1 and sub.mirror.last_seq == 0, "the restart")
-        assert set(sub.mirror.blocks) == {block_key(None, 9)}
+        until(lambda: sub.mirror.last_seq == seq, "the new publisher's batch")
+        assert sub.restarts_total == 1 and set(sub.mirror.blocks) == {block_key(None, 9)}
     finally:
         sub.close()
         pub.shutdown()

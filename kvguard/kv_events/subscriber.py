@@ -18,7 +18,9 @@ into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
 * **restart** (vLLM numbers batches per process, from 0, with no epoch): a SUB message whose
   sequence number goes backwards on SUB, or that reuses a number already applied with other
   content (the subscriber keeps a short hash of each of the last ``RECENT_BATCHES`` payloads),
-  comes from a new publisher: the mirror is emptied and starts again, as a router should.
+  comes from a new publisher: the mirror is emptied and starts again, as a router should. A
+  late SUB copy of a batch already counted lost is skipped (it cannot be applied out of
+  order).
 * a batch already applied (delivered by a replay, then by SUB: same number, same payload) is
   skipped.
 
@@ -53,6 +55,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 MAX_GAPS_KEPT = 16
 
+REPLAY_ATTEMPTS = 3
+"""Replay requests per gap before the batches still missing count as lost."""
+
 RECENT_BATCHES = 4096
 """Applied batches whose payload hash is kept, to tell a duplicate from a restarted engine's."""
 
@@ -72,6 +77,10 @@ class SubscriberOptions:
     """How long a batch the engine says it published may stay missing before a replay."""
     tail_give_up_seconds: float = 3.0
     """After this long missing (replays included), the batch counts as lost."""
+    receive_hwm: int = 0
+    """ZMQ receive high-water mark of the SUB socket (0: unbounded, never drop on this side;
+    the publisher's ``hwm`` then rules). A bounded one makes a slow subscriber lose batches
+    the way a slow router does."""
 
 
 def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
@@ -184,7 +193,7 @@ class KvEventSubscriber:
         sub = ctx.socket(zmq.SUB)
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.opts.topic.encode())
-            sub.setsockopt(zmq.RCVHWM, 0)  # never drop on our side: the publisher's hwm rules
+            sub.setsockopt(zmq.RCVHWM, self.opts.receive_hwm)
             sub.connect(connect_address(self.opts.endpoint))
             self._ready.set()
             decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
@@ -212,8 +221,8 @@ class KvEventSubscriber:
             return
         # SUB delivers one publisher in order: a number going backwards, or one applied before
         # with other content, comes from a new publisher (the engine restarted).
-        if seq <= self._sub_last or (seq <= self.mirror.last_seq
-                                     and self._recent.get(seq) != _short_hash(payload)):
+        applied = self._recent.get(seq)  # None: never applied here (lost, or long ago)
+        if seq <= self._sub_last or (applied is not None and applied != _short_hash(payload)):
             with self.lock:
                 self.restarts_total += 1
                 self.mirror.reset(-1)
@@ -251,18 +260,41 @@ class KvEventSubscriber:
             self._lose(last + 1, wanted)
 
     def _replay(self, start: int, ctx: Any, decoder: Any) -> None:
-        """Ask for every buffered batch from ``start`` on and apply them in order; a batch
-        missing between two the replay returned is lost (the ones after it still apply)."""
-        endpoint = self.opts.replay_endpoint
-        if endpoint is None:
+        """Ask for every buffered batch from ``start`` on and apply them in order. A hole in
+        what comes back (the ROUTER drops at its high-water mark too) is asked for again, up
+        to ``REPLAY_ATTEMPTS`` times; a batch still missing between two returned ones is then
+        lost (the ones after it still apply)."""
+        if self.opts.replay_endpoint is None:
             return
+        got: dict[int, bytes] = {}
+        for _ in range(REPLAY_ATTEMPTS):
+            got.update(self._fetch_replay(start, ctx))
+            while self.mirror.last_seq + 1 in got:
+                seq = self.mirror.last_seq + 1
+                self.replayed_batches_total += 1
+                self._apply(seq, got.pop(seq), decoder)
+            got = {s: p for s, p in got.items() if s > self.mirror.last_seq}
+            if not got:
+                return
+            start = self.mirror.last_seq + 1  # a hole before later batches: ask again
+        for seq in sorted(got):
+            last = self.mirror.last_seq
+            if seq > last + 1:
+                self._lose(last + 1, seq - 1)
+            self.replayed_batches_total += 1
+            self._apply(seq, got[seq], decoder)
+
+    def _fetch_replay(self, start: int, ctx: Any) -> dict[int, bytes]:
+        """One replay request: the batches it returns, by sequence number."""
         import zmq
 
+        assert self.opts.replay_endpoint is not None
         self.replays_total += 1
         got: dict[int, bytes] = {}
         sock = ctx.socket(zmq.DEALER)
         try:
-            sock.connect(connect_address(endpoint))
+            sock.setsockopt(zmq.RCVHWM, 0)  # take the whole replay; never drop on this side
+            sock.connect(connect_address(self.opts.replay_endpoint))
             sock.send_multipart([b"", start.to_bytes(8, "big")])
             timeout_ms = int(self.opts.replay_timeout_seconds * 1000)
             while sock.poll(timeout_ms):
@@ -277,12 +309,7 @@ class KvEventSubscriber:
                     got[seq] = frames[3]
         finally:
             sock.close(linger=0)
-        for seq in sorted(got):
-            last = self.mirror.last_seq
-            if seq > last + 1:
-                self._lose(last + 1, seq - 1)
-            self.replayed_batches_total += 1
-            self._apply(seq, got[seq], decoder)
+        return got
 
     def _lose(self, first: int, last: int) -> None:
         with self.lock:

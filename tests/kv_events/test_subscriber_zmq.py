@@ -5,6 +5,7 @@ here are hand-made batches; test_kv_events_server.py runs the whole check on a r
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -119,6 +120,52 @@ def test_a_restarted_publisher_on_the_same_endpoint_starts_the_mirror_over(
         pub.publish(stored(9))
         until(lambda: sub.mirror.last_seq == seq, "the new publisher's batch")
         assert sub.restarts_total == 1 and set(sub.mirror.blocks) == {block_key(None, 9)}
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
+@pytest.mark.parametrize("buffer_steps", [20_000, 100], ids=["replay-repairs", "replay-too-short"])
+def test_a_burst_past_the_publishers_hwm_is_dropped_by_zmq_and_every_batch_accounted_for(
+        endpoints: tuple[str, str], buffer_steps: int) -> None:
+    """A real ZMQ drop: the subscriber stalls (its input path waits) while vLLM's publisher
+    sends 5000 batches through a high-water mark of 10 on both sockets; ZMQ discards what does
+    not fit. Replay gives back what vLLM's buffer still holds; the rest is counted lost."""
+    pub_ep, rep_ep = endpoints
+    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep, hwm=10,
+                            buffer_steps=buffer_steps)
+    go, hold = threading.Event(), [False]
+
+    def stall_once(_seq: int, replayed: bool) -> bool:
+        if hold[0] and not replayed:
+            go.wait(60)
+            hold[0] = False
+        return True
+
+    sub = KvEventSubscriber(SubscriberOptions(endpoint=pub_ep, replay_endpoint=rep_ep,
+                                              medium="GPU", receive_hwm=10,
+                                              tail_give_up_seconds=1.0),
+                            input_filter=stall_once)
+    sub.start(timeout=30)
+    try:
+        first = connect(pub, sub, 0)
+        received = sub.received_total
+        hold[0] = True
+        n = 5000
+        for h in range(n):
+            pub.publish(stored(h))
+        until(lambda: pub._event_queue.empty(), "the publisher to send the burst")
+        go.set()
+        sub.want_through(first + n - 1)
+        until(lambda: sub.mirror.last_seq == first + n - 1, "the burst applied or lost")
+        assert sub.received_total - received < n  # ZMQ dropped part of the burst
+        assert sub.replays_total >= 1
+        # every batch of the burst is either applied (its block mirrored) or counted lost
+        assert len(sub.mirror.blocks) == n - sub.lost_batches_total
+        if buffer_steps >= n:
+            assert sub.lost_batches_total == 0 and not sub.gap_open
+        else:
+            assert sub.lost_batches_total > n // 2 and sub.gap_open  # most of the burst
     finally:
         sub.close()
         pub.shutdown()

@@ -32,6 +32,9 @@ class WatchedEngine:
     epoch: str
     """The engine epoch the mirror started for (updated when the subscriber sees a restart)."""
     restarts_seen: int = 0
+    judged: tuple[object, ...] | None = None
+    """What the last verdict was computed from: unchanged, it is not computed again (a
+    comparison copies the mirror's keys; the store refreshes every half second)."""
 
 
 class KvEventsWatch:
@@ -71,9 +74,14 @@ class KvEventsWatch:
                 sub.want_through(snap.last_seq)
             with sub.lock:
                 m = sub.mirror
+                key = (st.epoch, w.epoch, snap, m.batches_applied, m.last_seq, sub.gap_open,
+                       sub.restarts_total)
+                if key == w.judged and st.engine in self.checks:
+                    continue
                 view = m.view_at(snap.last_seq) if snap is not None else None
                 facts = MirrorFacts(last_seq=m.last_seq, clear_seq=m.clear_seq,
                                     lost_since_reset=sub.gap_open, epoch=w.epoch)
+            w.judged = key
             check = judge(snap, view, facts, engine_epoch=st.epoch, now=now)
             if check.verdict is KvEventsVerdict.CONSISTENT:
                 sub.mark_in_sync()

@@ -63,8 +63,9 @@ class KvServer:
         assert isinstance(keys, list)
         return {_key(k) for k in keys}
 
-    def dropped_keys(self) -> set[str]:
-        path = self.truth_dir / "dropped.json"
+    def dropped_keys(self, name: str = "dropped.json") -> set[str]:
+        """Keys the test scheduler took out of the stream (``dropped_stored.json``: stores)."""
+        path = self.truth_dir / name
         return {_key(k) for k in json.loads(path.read_text())} if path.exists() else set()
 
     def state(self) -> EngineState | None:

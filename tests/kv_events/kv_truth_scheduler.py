@@ -12,7 +12,9 @@ Loaded in the server's EngineCore with ``--scheduler-cls kv_truth_scheduler.KvTr
   their batch before the batch reaches vLLM's publisher (the batch itself still goes out, so
   sequence numbers stay contiguous): the pool really evicted those blocks and no subscriber
   can ever learn it. The dropped keys go to ``dropped.json``; ``removed`` in the truth counts
-  the BlockRemoved events that did go out.
+  the BlockRemoved events that did go out. ``arm_drop_stored`` does the same for the next
+  ``N`` ``BlockStored`` events (keys to ``dropped_stored.json``): blocks the pool caches that
+  no subscriber ever hears of.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm.distributed.kv_events import BlockRemoved
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -42,6 +44,8 @@ class KvTruthScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self._truth_dir = Path(os.environ["KVG_TEST_TRUTH_DIR"])
         self._drop_left = 0
+        self._drop_stored_left = 0
+        self._dropped_stored: list[list[Any]] = []
         self._removed = 0
         self._dropped: list[list[Any]] = []
         self._batches = 0
@@ -49,11 +53,26 @@ class KvTruthScheduler(Scheduler):
         inner = publisher.publish
 
         arm = self._truth_dir / "arm_drop_removed"
+        arm_stored = self._truth_dir / "arm_drop_stored"
 
         def publish(batch: Any) -> None:
             if arm.exists():
                 self._drop_left += int(arm.read_text())
                 arm.unlink()
+            if arm_stored.exists():
+                self._drop_stored_left += int(arm_stored.read_text())
+                arm_stored.unlink()
+            if self._drop_stored_left > 0:
+                kept_stored = []
+                for ev in batch.events:
+                    if self._drop_stored_left > 0 and isinstance(ev, BlockStored):
+                        self._drop_stored_left -= 1
+                        self._dropped_stored += [[ev.group_idx or 0, *_hash_json(h)]
+                                                 for h in ev.block_hashes]
+                        continue
+                    kept_stored.append(ev)
+                batch.events = kept_stored
+                _write(self._truth_dir / "dropped_stored.json", self._dropped_stored)
             if self._drop_left > 0:
                 kept = []
                 for ev in batch.events:

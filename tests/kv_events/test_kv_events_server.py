@@ -12,8 +12,14 @@ below kvguard:
   replay repairs it; SUB and replay: nothing can repair it). A real ZMQ drop (PUB high-water
   mark) cannot be produced on demand with this tiny model's batches, and the filter sits
   exactly where such a drop shows up: a sequence number that never arrives;
-* a ``BlockRemoved`` the engine never published (the test scheduler takes it out of its batch
-  before vLLM's publisher sees it): the pool evicted the block, the sequence has no gap.
+* a ``BlockRemoved`` (or ``BlockStored``) the engine never published (the test scheduler takes
+  it out of its batch before vLLM's publisher sees it): the pool evicted (or cached) the
+  block, the sequence has no gap.
+
+The tests run in file order on the one server, and a loss made below kvguard stays in the
+engine's stream until the next clear or restart (every new subscriber replays it): the
+``BlockRemoved`` loss comes before ``reset_prefix_cache``, the ``BlockStored`` loss after the
+sidecar test, the restart last.
 """
 
 from __future__ import annotations
@@ -294,6 +300,25 @@ def _status_page_kv_events(url: str, tmp: Path) -> tuple[str, str]:
         verdict = page.get_by_test_id("kv-events-verdict")
         verdict.wait_for(timeout=20_000)
         return verdict.inner_text(), page.get_by_test_id("kv-events-counts").inner_text()
+
+
+def test_blockstored_never_published_leaves_the_cached_blocks_missing_from_the_mirror(
+        ks: KvServer) -> None:
+    w = watch(ks)
+    try:
+        sub = w.engines[ENGINE].subscriber
+        (ks.truth_dir / "arm_drop_stored").write_text("1")
+        ks.run(prompts(14, 2), concurrency=1)
+        _, check = judged(ks, w)
+        truth = ks.truth_keys()
+        unannounced = ks.dropped_keys("dropped_stored.json") & truth  # cached, never stored
+        assert unannounced and sub.lost_batches_total == 0 and not sub.gaps
+        assert check.verdict is KvEventsVerdict.MISSING, check.explanation
+        assert (check.stale_blocks, check.missing_blocks) == (0, len(unannounced))
+        assert check.first_missing == sorted(unannounced)[:FIRST_BLOCKS]
+        assert truth - mirror_keys(w, check.seq or 0) == unannounced
+    finally:
+        w.close()
 
 
 def test_engine_restart_starts_the_mirror_over_from_the_new_sequence(ks: KvServer) -> None:

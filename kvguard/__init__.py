@@ -18,6 +18,7 @@ from kvguard.core.session import (
     CheckpointRequests,
     GuardSession,
     HookErrors,
+    KvEventsSource,
     MemoryAttributor,
     StateSink,
 )
@@ -50,6 +51,10 @@ from kvguard.errors import (
     ProtocolError,
     TransportError,
 )
+from kvguard.kv_events.mirror import Mirror
+from kvguard.kv_events.snapshot import KvEventsSnapshot, KvEventsState
+from kvguard.kv_events.subscriber import KvEventSubscriber, SubscriberOptions
+from kvguard.kv_events.verdict import KvEventsCheck, KvEventsVerdict, judge
 from kvguard.transport.reader import read_run_dir
 from kvguard.version import __version__
 
@@ -75,6 +80,12 @@ __all__ = [
     "HoldBound",
     "HoldRule",
     "HookErrors",
+    "KvEventSubscriber",
+    "KvEventsCheck",
+    "KvEventsSnapshot",
+    "KvEventsSource",
+    "KvEventsState",
+    "KvEventsVerdict",
     "KvguardConfig",
     "KvguardError",
     "LeakCause",
@@ -82,6 +93,7 @@ __all__ = [
     "LeakReport",
     "LinkKind",
     "MemoryAttributor",
+    "Mirror",
     "OnlineAuditor",
     "OnlineOptions",
     "OnlineState",
@@ -95,6 +107,7 @@ __all__ = [
     "ReconcileOptions",
     "Reconciliation",
     "StateSink",
+    "SubscriberOptions",
     "SweepResult",
     "TransferEvent",
     "TransferEventKind",
@@ -109,6 +122,7 @@ __all__ = [
     "Verdict",
     "__version__",
     "classify_block",
+    "judge",
     "link_transfers",
     "read_run_dir",
     "reconcile",

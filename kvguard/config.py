@@ -89,6 +89,13 @@ class KvguardConfig:
     """kvguard meters its own time on the engine thread in one window of 8 steps per this
     many steps (``kvguard_cost_*`` metrics; 0: off). The other steps run hooks with no
     clock in them."""
+    kv_events_watch: bool = True
+    """The sidecar follows the KV events of every engine that publishes them
+    (``--kv-events-config``) and checks its mirror against the pool (``kvguard_kv_events_*``)."""
+    kv_events_max_keys: int = 4096
+    """The KV-event mirror check: an engine whose pool holds at most this many hashed blocks
+    publishes their keys (hashes) at drained checkpoints, so the first differing blocks can be
+    named; above it, only their count and digest (differences are then counted, not named)."""
     snapshot_dir: Path | None = None
     """Where a checkpoint that finds tensor growth writes a PyTorch memory snapshot (CUDA)."""
 
@@ -124,6 +131,9 @@ class KvguardConfig:
         if self.cost_sample_every_steps < 0:
             raise ConfigError("KVGUARD_COST_SAMPLE_EVERY_STEPS", self.cost_sample_every_steps,
                               "a number of engine steps >= 0 (0 turns the meter off)")
+        if self.kv_events_max_keys < 0:
+            raise ConfigError("KVGUARD_KV_EVENTS_MAX_KEYS", self.kv_events_max_keys,
+                              "a number of block keys >= 0 (0: publish only count and digest)")
         if self.history < 1:
             raise ConfigError("KVGUARD_HISTORY", self.history, "an integer >= 1")
         if self.engine_name is not None and not re.match(ENGINE_NAME_PATTERN, self.engine_name):

@@ -51,6 +51,36 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_kv_events(args: argparse.Namespace) -> int:
+    """The KV-event mirror check of every engine, as the sidecar judged it (the mirror lives in
+    the sidecar). Exit 1 when an engine's mirror differs from its pool, 2 when the sidecar
+    cannot be read."""
+    import urllib.error
+    import urllib.request
+
+    from kvguard.cli.render import render_kv_events
+    from kvguard.kv_events.verdict import KvEventsVerdict
+    from kvguard.sidecar.models import ReportsResponse
+
+    cfg = KvguardConfig.from_env()
+    base = (args.sidecar or f"http://{cfg.sidecar_host}:{cfg.sidecar_port}").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{base}/v1/report", timeout=10) as resp:
+            report = ReportsResponse.model_validate_json(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"kvguard: cannot read {base}/v1/report ({exc}); is `kvguard sidecar` running "
+              "there (--sidecar URL)?", file=sys.stderr)
+        return 2
+    checks = {e.engine: e.kv_events for e in report.engines}
+    if args.json:
+        print(json.dumps({n: c.model_dump(mode="json") if c else None
+                          for n, c in checks.items()}, indent=2))
+    else:
+        print("\n".join(render_kv_events(n, c) for n, c in checks.items()) or "no engine")
+    ok = (KvEventsVerdict.CONSISTENT, KvEventsVerdict.PENDING)
+    return 1 if any(c is not None and c.verdict not in ok for c in checks.values()) else 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvguard.demo.run import run_demo
 
@@ -133,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="P/D: judge each request's KV transfer from both of its engines "
                         "(prefill holds for an aborted decode, blocks freed before read)")
     r.set_defaults(func=_cmd_report)
+    kv = sub.add_parser("kv-events", help="does each engine's KV-event mirror (what a router "
+                        "believes it caches) match its pool? (asks the sidecar)")
+    kv.add_argument("--sidecar", help="the sidecar's URL (default: KVGUARD_SIDECAR_HOST and "
+                    "_PORT, http://127.0.0.1:9400)")
+    kv.add_argument("--json", action="store_true", help="machine-readable output")
+    kv.set_defaults(func=_cmd_kv_events)
     sc = sub.add_parser("sidecar", help="serve reports and Prometheus metrics over HTTP")
     sc.add_argument("--host", help="bind address (KVGUARD_SIDECAR_HOST, default 127.0.0.1)")
     sc.add_argument("--port", type=int, help="TCP port (KVGUARD_SIDECAR_PORT, default 9400)")

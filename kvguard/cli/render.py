@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from kvguard.core.report import CheckpointReport
+from kvguard.kv_events.verdict import KvEventsCheck
 from kvguard.transport.state import EngineState
 
 _BAR = 30
@@ -71,3 +72,20 @@ def render_state(s: EngineState) -> str:
     lines.append(render_report(r) if r is not None else
                  "   no checkpoint yet: the engine has not drained since it started")
     return "\n".join(lines)
+
+
+def render_kv_events(engine: str, check: KvEventsCheck | None) -> str:
+    """One engine's KV-event mirror check (``kvguard kv-events``)."""
+    if check is None:
+        return f"== {engine}: no KV-event mirror check (the engine publishes no KV events)"
+    out = [f"== {engine}: KV-event mirror {check.verdict.value.upper()}"]
+    if check.seq is not None:
+        out.append(f"   at batch {check.seq} (checkpoint #{check.checkpoint_id}): pool "
+                   f"{check.pool_blocks} block(s), mirror {check.mirror_blocks}; "
+                   f"{check.stale_blocks} stale, {check.missing_blocks} missing")
+    if check.first_stale:
+        out.append(f"   first stale: {' '.join(check.first_stale)}")
+    if check.first_missing:
+        out.append(f"   first missing: {' '.join(check.first_missing)}")
+    out.append(f"   {check.explanation}")
+    return "\n".join(out)

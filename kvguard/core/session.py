@@ -57,6 +57,7 @@ from kvguard.core.transfers import (
     TransferRole,
 )
 from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
+from kvguard.kv_events.snapshot import KvEventsSnapshot, KvEventsState
 from kvguard.version import __version__
 
 log = logging.getLogger("kvguard")
@@ -104,6 +105,18 @@ class IdleWaker(Protocol):
     def close(self) -> None: ...
 
 
+class KvEventsSource(Protocol):
+    """The engine's KV-event stream and its pool's hashed blocks (the KV-event mirror check,
+    :mod:`kvguard.kv_events`); set by the engine integration when the engine publishes
+    KV events."""
+
+    def snapshot(self, checkpoint_id: int, taken_at: float) -> KvEventsSnapshot:
+        """The pool's hashed blocks now, with the last batch handed to the publisher."""
+
+    def state(self, snapshot: KvEventsSnapshot | None) -> KvEventsState:
+        """The stream's counters, with ``snapshot``."""
+
+
 class DrainBlocker(NamedTuple):
     """Why a moment is not drained (:meth:`GuardSession.drain_blocker`)."""
 
@@ -119,7 +132,7 @@ class HookErrors:
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests", "transfers", "checkpoint", "cost_meter",
-                             "idle_wake", "idle"})
+                             "idle_wake", "idle", "kv_events"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -217,6 +230,10 @@ class GuardSession:
         """The findings of the last report (online or drained): online reports only on change."""
         self._online_quiet_until = 0
         """No online report before this many sweeps (set by drained checkpoints)."""
+        self.kv_events: KvEventsSource | None = None
+        """The KV-event mirror check's engine side (None: the engine publishes no KV events)."""
+        self.kv_events_snapshot: KvEventsSnapshot | None = None
+        """Read at the last drained checkpoint."""
         self.config = config  # builds the online auditor
 
     # ------------------------------------------------------------ settings
@@ -584,6 +601,9 @@ class GuardSession:
             # (suspects stay comparable: the ledger was not reset).
             self._online_key = _findings_key(report)
             self._online_quiet_until = self.online.stats.sweeps_total + 3
+        if self.kv_events is not None:
+            with self.contain("kv_events"):  # same moment, same thread: one point of the stream
+                self.kv_events_snapshot = self.kv_events.snapshot(report.checkpoint_id, now)
         return self._record(report)
 
     # ----------------------------------------------------------- online audit
@@ -735,8 +755,19 @@ class GuardSession:
             drain=self.drain_prediction(),
             transfers=self.transfers.state() if self.transfers is not None else None,
             cost=self.meter.state() if self.meter.every else None,
+            kv_events=self._kv_events_state(),
             reports=list(self.reports),
         )
+
+    def _kv_events_state(self) -> KvEventsState | None:
+        source = self.kv_events
+        if source is None:
+            return None
+        try:
+            return source.state(self.kv_events_snapshot)
+        except Exception as exc:
+            self.errors.record("kv_events", exc)
+            return None
 
     def publish(self) -> None:
         with self.contain("publish"):

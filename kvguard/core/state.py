@@ -12,15 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
+from kvguard.kv_events.snapshot import KvEventsState
 
-STATE_SCHEMA_VERSION = 6
+STATE_SCHEMA_VERSION = 8
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
 kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
 pace of drained audits). 5: ``cost`` (kvguard's own time on the engine thread, metered on a
 sample of steps). 6: ``model_name`` and ``engine_index``, the labels that join kvguard's
-series with the engine's own (vLLM's ``model_name`` and ``engine``)."""
+series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: issue 44's change.
+8: ``kv_events`` (the engine's KV-event stream and its pool's hashed blocks at the last drained
+checkpoint, for the KV-event mirror check)."""
 
 
 class OnlineState(BaseModel):
@@ -112,6 +115,9 @@ class EngineState(BaseModel):
                                   "KV connector.")
     cost: CostState | None = Field(default=None, description="kvguard's own cost on the "
                                    "engine thread; None when metering is off.")
+    kv_events: KvEventsState | None = Field(
+        default=None, description="The engine's KV-event stream and its pool's hashed blocks "
+                                  "(the KV-event mirror check); None when it publishes none.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

@@ -133,6 +133,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
         out = []
         for name, view in sorted(store.engines.items()):
             t = view.trend
+            kv_checks = store.kv_events.checks if store.kv_events is not None else {}
             latest = next((r for r in reversed(view.history) if r.epoch == view.state.epoch),
                           None)
             out.append(EngineReport(
@@ -141,6 +142,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
                 faults_enabled=list(view.state.faults_enabled), latest=latest,
                 drain=_drain_view(view.state.drain), online=view.state.online,
                 transfers=view.state.transfers, cost=view.state.cost,
+                kv_events=kv_checks.get(name),
                 trend=TrendReport(verdict=t.verdict, checkpoints=t.checkpoints,
                                   holding_series=list(t.holding_series),
                                   explanation=t.explanation)))

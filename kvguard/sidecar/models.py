@@ -8,6 +8,7 @@ from kvguard.core.report import CheckpointReport
 from kvguard.core.transfer_links import TransferLink
 from kvguard.core.transfers import TransfersState
 from kvguard.core.trend import TrendVerdict
+from kvguard.kv_events.verdict import KvEventsCheck
 from kvguard.transport.state import CostState, OnlineState
 
 
@@ -59,6 +60,11 @@ class EngineReport(_Model):
         default=None, description="kvguard's own time on the engine thread, metered on a "
                                   "sample of steps since the engine started (null when "
                                   "metering is off).")
+    kv_events: KvEventsCheck | None = Field(
+        default=None, description="The KV-event mirror check: the mirror a router builds from "
+                                  "the engine's KV events, compared with the pool at the last "
+                                  "drained checkpoint (null when the engine publishes no KV "
+                                  "events or the sidecar does not watch them).")
 
 
 class ReportsResponse(_Model):

@@ -13,13 +13,15 @@ import uvicorn
 from kvguard.config import KvguardConfig
 from kvguard.errors import ConfigError
 from kvguard.sidecar.app import create_app
+from kvguard.sidecar.kv_events import KvEventsWatch
 from kvguard.sidecar.store import EngineStore
 
 
 def serve(*, host: str, port: int, run_dir: Path | None = None, uds: str | None = None,
           config: KvguardConfig | None = None) -> None:
     config = config or KvguardConfig.from_env()
-    store = EngineStore(run_dir or config.run_dir, history=max(256, config.history))
+    store = EngineStore(run_dir or config.run_dir, history=max(256, config.history),
+                        kv_events=KvEventsWatch() if config.kv_events_watch else None)
     app = create_app(store, control_token=config.control_token)
     if uds:
         sock = owner_only_unix_socket(uds)

@@ -44,6 +44,7 @@ from pathlib import Path
 from kvguard.core.report import CheckpointReport
 from kvguard.core.trend import Trend, trend
 from kvguard.errors import ProtocolError
+from kvguard.sidecar.kv_events import KvEventsWatch
 from kvguard.transport.reader import read_state_file
 from kvguard.transport.state import EngineState
 
@@ -85,8 +86,11 @@ class EngineView:
 
 
 class EngineStore:
-    def __init__(self, run_dir: Path, *, history: int = 256, stale_after_seconds: float = 30.0):
+    def __init__(self, run_dir: Path, *, history: int = 256, stale_after_seconds: float = 30.0,
+                 kv_events: KvEventsWatch | None = None):
+        """``kv_events``: the KV-event mirror check, updated after each refresh (None: off)."""
         self.run_dir = run_dir
+        self.kv_events = kv_events
         self.history = history
         self.stale_after_seconds = stale_after_seconds
         self.engines: dict[str, EngineView] = {}
@@ -129,6 +133,12 @@ class EngineStore:
                              errors, rejected)
         self.read_errors = errors
         self._rejected = rejected
+        if self.kv_events is not None:
+            try:
+                self.kv_events.update([v.state for v in self.engines.values()])
+            except Exception as exc:  # never let the mirror check stop the refresh
+                log.error("kvguard sidecar: KV-event mirror check failed: %s", exc,
+                          exc_info=exc)
 
     def _reject(self, name: str, key: tuple[int, int], reason: str, errors: dict[str, str],
                 rejected: dict[str, tuple[int, int]]) -> None:

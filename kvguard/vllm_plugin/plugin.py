@@ -75,6 +75,7 @@ def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
     from kvguard.vllm_plugin.guard import EngineGuard, guard_of
     from kvguard.vllm_plugin.hooks import install_hooks
     from kvguard.vllm_plugin.idle import bind_idle_wakeups
+    from kvguard.vllm_plugin.kv_event_tap import maybe_tap_kv_events
 
     existing = guard_of(scheduler)
     if existing is not None:
@@ -92,6 +93,7 @@ def attach(scheduler: Any, config: KvguardConfig | None = None) -> Any:
                         "faults need --scheduler-cls %s (tests and staging only)",
                         "kvguard.chaos.faults.scheduler.ChaosScheduler")
         install_hooks(guard)
+        guard.kv_events = maybe_tap_kv_events(scheduler, max_keys=config.kv_events_max_keys)
         scheduler._kvguard = guard
         bind_idle_wakeups()  # multiprocess EngineCore: its busy loop starts after this
         log.info("kvguard attached to engine %s (%d hooks, %d missing); state in %s",

@@ -31,12 +31,13 @@ class Metric:
     values: tuple[tuple[str, frozenset[str]], ...] = ()
     reserved: bool = False  # in the contract, exported only where a GPU probe reads it
     pd: bool = False  # in the contract, exported only by engines with a KV connector (P/D)
+    kv_events: bool = False  # in the contract, exported only for engines publishing KV events
 
 
 def _m(type_: str, *labels: str, reserved: bool = False, pd: bool = False,
-       **values: tuple[str, ...]) -> Metric:
+       kv_events: bool = False, **values: tuple[str, ...]) -> Metric:
     return Metric(type_, frozenset(labels), tuple((k, frozenset(v)) for k, v in values.items()),
-                  reserved, pd)
+                  reserved, pd, kv_events)
 
 
 ENGINE = ("engine_name", "model_name", "engine")
@@ -86,6 +87,14 @@ CONTRACT: dict[str, Metric] = {
                  "aborted_waiting", "released")),
     "kvguard_kv_transfer_hazards_total": _m("counter", *ENGINE, "kind", pd=True,
                                             kind=("freed_before_read",)),
+    # The KV-event mirror check (issue 39): only engines run with --kv-events-config.
+    "kvguard_kv_events_mirror_blocks": _m("gauge", *ENGINE, "state", kv_events=True,
+                                          state=("matched", "stale", "missing")),
+    "kvguard_kv_events_verdict": _m(
+        "gauge", *ENGINE, "verdict", kv_events=True,
+        verdict=("pending", "consistent", "cleared_missed", "gap", "stale", "missing")),
+    "kvguard_kv_events_batches_lost_total": _m("counter", *ENGINE, kv_events=True),
+    "kvguard_kv_events_replays_total": _m("counter", *ENGINE, kv_events=True),
 }
 # The sidecar's own operational series: documented in the README, no dashboard panel needed.
 OPERATIONAL: dict[str, Metric] = {
@@ -96,12 +105,18 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_online_sweeps_total": _m("counter", *ENGINE),
     "kvguard_cost_sampled_steps_total": _m("counter", *ENGINE),
     "kvguard_cost_windows_skipped_total": _m("counter", *ENGINE),
+    # The KV-event mirror check: only engines run with --kv-events-config export these.
+    "kvguard_kv_events_batches_received_total": _m("counter", *ENGINE),
+    "kvguard_kv_events_restarts_total": _m("counter", *ENGINE),
+    "kvguard_kv_events_gap_open": _m("gauge", *ENGINE),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
 PD_METRICS = frozenset(n for n, m in CONTRACT.items() if m.pd)
 """Exported only by engines with a KV connector: the P/D replay's targets, not the
 data-parallel server's."""
+KV_EVENTS = frozenset(n for n, m in CONTRACT.items() if m.kv_events)
+"""Exported only for engines that publish KV events (the observability targets do not)."""
 HOST_METRICS = frozenset(n for n, m in CONTRACT.items() if "engine" not in m.labels)
 
 METRIC_NAME = re.compile(r"\bkvguard_[a-z0-9_]+\b")
@@ -165,6 +180,11 @@ class PanelQuery:
     def pd(self) -> bool:
         """A P/D panel: its data comes from the P/D replay's Prometheus."""
         return bool(self.metrics & PD_METRICS)
+
+    @property
+    def kv_events(self) -> bool:
+        """Only KV-event series: the observability targets (no KV events) give no data."""
+        return bool(self.metrics) and self.metrics <= KV_EVENTS
 
     @property
     def label(self) -> str:

@@ -33,6 +33,7 @@ EXPECTED_ALERTS = {
     "KvguardKvDecodeLeakedBlocks": "warning",
     "KvguardKvReadNotReceived": "warning",
     "KvguardKvReadAfterExpiryNotSeen": "warning",
+    "KvguardKvEventMirrorDiverged": "warning",
 }
 PD_RECORDS = {
     "namespace_model_name:kvguard_kv_transfers_read:increase15m",

@@ -361,6 +361,28 @@ function costSection(cost) {
     h("h3", { text: "kvguard's own cost" }), body);
 }
 
+// The KV-event mirror check: what a router believes this engine caches, against its pool.
+function kvEventsSection(kv) {
+  if (!kv) return null;  // the engine publishes no KV events, or the sidecar does not watch them
+  const bad = !["consistent", "pending"].includes(kv.verdict);
+  const body = [h("p", { class: `headline${bad ? " bad" : " ok"}`, "data-testid": "kv-events-verdict",
+                         text: kv.verdict.replace("_", " ") })];
+  if (kv.verdict !== "pending") {
+    body.push(h("p", { class: "minor", "data-testid": "kv-events-counts", text:
+      `batch ${kv.seq}: pool ${kv.pool_blocks} block(s), mirror ${kv.mirror_blocks}; ` +
+      `${kv.stale_blocks} stale, ${kv.missing_blocks} missing` }));
+  }
+  for (const [label, keys] of [["first stale", kv.first_stale], ["first missing", kv.first_missing]]) {
+    if (keys?.length) {
+      body.push(h("p", { class: "minor" }, `${label}: `,
+        ...keys.map((k) => h("code", { class: "block-key", text: k }))));
+    }
+  }
+  body.push(h("p", { class: "minor", text: kv.explanation }));
+  return h("section", { class: "panel kv-events", "data-testid": "kv-events" },
+    h("h3", { text: "KV-event mirror" }), body);
+}
+
 function engineCard(eng, history) {
   const latest = eng.latest ?? null;
   const drain = eng.drain ?? latest?.drain ?? null;
@@ -380,7 +402,7 @@ function engineCard(eng, history) {
       h("section", { class: "panel pool", "data-testid": "pool" },
         h("h3", { text: "Pool states per checkpoint" }), poolChart(history), legend(latest?.pool)),
       h("div", { class: "side" }, trendSection(eng.trend), drainSection(drain),
-        onlineSection(eng.online), costSection(eng.cost)),
+        onlineSection(eng.online), costSection(eng.cost), kvEventsSection(eng.kv_events)),
       attributionSection(latest)));
 }
 

@@ -1,0 +1,340 @@
+"""``KvEventSubscriber``: one engine's KV-event stream, received the way a router receives it.
+
+A ZMQ SUB socket connected to the engine's PUB endpoint, on a daemon thread that owns both
+its sockets (ZMQ sockets are not thread-safe). Each message is ``(topic, seq, payload)``: an
+8-byte big-endian sequence number per batch and a msgpack ``KVEventBatch``, decoded with
+vLLM's own types (:func:`decode_batch`; vLLM is imported when the thread starts). Batches go
+into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
+
+* **gap** (a batch arrives after ``last_seq + 1``): ask the engine's ROUTER replay endpoint
+  for everything from ``last_seq + 1`` (request ``[b"", start_seq]``; it streams buffered
+  batches, then an end marker of eight 0xff bytes) and apply what closes the gap. Batches
+  replay cannot give back (evicted from vLLM's bounded buffer, or no replay endpoint) are
+  **lost**: the mirror goes on after them and records the range in ``gaps`` (``gap_open``
+  stays set until the mirror is known complete again: a clear, a restart, or a consistent
+  comparison, :meth:`KvEventSubscriber.mark_in_sync`).
+* **tail** (the engine says a batch was published that never arrived,
+  :meth:`KvEventSubscriber.want_through`): the same replay, asked from the thread.
+* **restart** (vLLM numbers batches per process, from 0, with no epoch): a SUB message whose
+  sequence number goes backwards on SUB, or that reuses a number already applied with other
+  content (the subscriber keeps a short hash of each of the last ``RECENT_BATCHES`` payloads),
+  comes from a new publisher: the mirror is emptied and starts again, as a router should. A
+  late SUB copy of a batch already counted lost is skipped (it cannot be applied out of
+  order).
+* a batch already applied (delivered by a replay, then by SUB: same number, same payload) is
+  skipped.
+
+Nothing here holds token ids: decoding keeps each stored block's key, parent key and token
+count (:class:`~kvguard.kv_events.mirror.Stored`).
+
+``input_filter`` (tests only): called with each batch's sequence number, and whether it came
+from a replay, before it is handled; False discards the batch as if it had been lost on the
+way (counted in ``filtered_total``): dropping a SUB message models a ZMQ drop that replay can
+repair, dropping a sequence number on both paths models one replay cannot give back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvguard.kv_events.digest import block_key
+from kvguard.kv_events.mirror import Cleared, Event, Mirror, Removed, Stored
+
+log = logging.getLogger("kvguard.kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""vLLM's end-of-replay marker."""
+
+MAX_GAPS_KEPT = 16
+
+REPLAY_ATTEMPTS = 3
+"""Replay requests per gap before the batches still missing count as lost."""
+
+RECENT_BATCHES = 4096
+"""Applied batches whose payload hash is kept, to tell a duplicate from a restarted engine's."""
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberOptions:
+    """How one subscriber talks to its engine. Times in seconds."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    medium: str | None = None
+    replay_timeout_seconds: float = 2.0
+    """Longest wait for the next replayed message before the replay is given up."""
+    poll_seconds: float = 0.05
+    tail_retry_seconds: float = 0.5
+    """How long a batch the engine says it published may stay missing before a replay."""
+    tail_give_up_seconds: float = 3.0
+    """After this long missing (replays included), the batch counts as lost."""
+    receive_hwm: int = 0
+    """ZMQ receive high-water mark of the SUB socket (0: unbounded, never drop on this side;
+    the publisher's ``hwm`` then rules). A bounded one makes a slow subscriber lose batches
+    the way a slow router does."""
+
+
+def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
+    """The address to connect to for an endpoint the engine bound (``tcp://*:P`` and
+    ``tcp://[::]:P`` name every interface: connect to ``host`` instead)."""
+    for wildcard in ("tcp://*:", "tcp://[::]:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
+def decode_batch(payload: bytes, decoder: Any) -> list[Event]:
+    """One ``KVEventBatch`` payload as mirror events (token ids dropped, counts kept)."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    batch = decoder.decode(payload)
+    out: list[Event] = []
+    for ev in batch.events:
+        if isinstance(ev, BlockStored):
+            g = ev.group_idx
+            parent = None if ev.parent_block_hash is None else block_key(g, ev.parent_block_hash)
+            out.append(Stored([block_key(g, h) for h in ev.block_hashes], parent,
+                              len(ev.token_ids), ev.medium))
+        elif isinstance(ev, BlockRemoved):
+            out.append(Removed([block_key(ev.group_idx, h) for h in ev.block_hashes], ev.medium))
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(Cleared())
+    return out
+
+
+class KvEventSubscriber:
+    """Keeps one engine's :class:`Mirror` from its KV events. ``start``/``close``; every other
+    method is safe from any thread (the mirror is read under ``lock``)."""
+
+    def __init__(self, opts: SubscriberOptions, *,
+                 input_filter: Callable[[int, bool], bool] | None = None) -> None:
+        self.opts = opts
+        self.mirror = Mirror(opts.medium)
+        self.lock = threading.Lock()
+        self.input_filter = input_filter
+        self.received_total = 0
+        """Batches received on SUB (filtered ones included)."""
+        self.filtered_total = 0
+        self.duplicates_total = 0
+        self.replays_total = 0
+        self.replayed_batches_total = 0
+        self.lost_batches_total = 0
+        self.restarts_total = 0
+        self.decode_errors_total = 0
+        self.gaps: deque[tuple[int, int]] = deque(maxlen=MAX_GAPS_KEPT)
+        """Ranges of lost batches (first, last), oldest first."""
+        self.gap_open = False
+        self.error: str | None = None
+        """Why the thread stopped, if it did."""
+        self._sub_last = -1
+        self._recent: OrderedDict[int, bytes] = OrderedDict()
+        """Sequence number -> short hash of the payload applied under it (the last ones)."""
+        self._wanted = -1
+        self._wanted_since = 0.0
+        self._last_tail_replay = 0.0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvguard-kv-events-{opts.endpoint[-40:]}")
+
+    def start(self, timeout: float = 5.0) -> None:
+        """Start the thread; returns once its SUB socket is connected (or ``timeout`` s).
+
+        Imports vLLM's event types first, on the calling thread (seconds, once per process:
+        vLLM imports torch), so that the SUB socket connects as soon as the thread runs."""
+        with contextlib.suppress(ImportError):  # the thread says why in ``error``
+            import vllm.distributed.kv_events  # noqa: F401
+        self._thread.start()
+        self._ready.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def want_through(self, seq: int) -> None:
+        """The engine says batch ``seq`` was published: if it has not arrived, the thread
+        asks for a replay (after ``tail_retry_seconds``) and, failing that, records it lost."""
+        with self.lock:
+            if seq > self._wanted:
+                self._wanted = seq
+                self._wanted_since = time.monotonic()
+
+    def mark_in_sync(self) -> None:
+        """A comparison found the mirror equal to the pool: a gap no longer matters."""
+        with self.lock:
+            self.gap_open = False
+
+    # ------------------------------------------------------------ thread
+    def _run(self) -> None:
+        try:
+            import msgspec
+            import zmq
+            from vllm.distributed.kv_events import KVEventBatch
+        except ImportError as exc:
+            self.error = (f"cannot decode vLLM's KV events here ({exc}); install vllm in the "
+                          "sidecar's environment")
+            self._ready.set()
+            return
+        ctx = zmq.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, self.opts.topic.encode())
+            sub.setsockopt(zmq.RCVHWM, self.opts.receive_hwm)
+            sub.connect(connect_address(self.opts.endpoint))
+            self._ready.set()
+            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+            poll_ms = int(self.opts.poll_seconds * 1000)
+            while not self._stop.is_set():
+                if sub.poll(poll_ms):
+                    frames = sub.recv_multipart()
+                    if len(frames) == 3:
+                        self._on_sub(int.from_bytes(frames[1], "big"), frames[2], ctx, decoder)
+                else:
+                    self._check_tail(ctx, decoder)
+        except Exception as exc:  # the sidecar goes on; the mirror is reported broken
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("kvguard KV-event subscriber for %s stopped: %s", self.opts.endpoint,
+                      self.error)
+        finally:
+            self._ready.set()
+            sub.close(linger=0)
+            ctx.term()
+
+    def _on_sub(self, seq: int, payload: bytes, ctx: Any, decoder: Any) -> None:
+        self.received_total += 1
+        if self.input_filter is not None and not self.input_filter(seq, False):
+            self.filtered_total += 1
+            return
+        # SUB delivers one publisher in order: a number going backwards, or one applied before
+        # with other content, comes from a new publisher (the engine restarted).
+        applied = self._recent.get(seq)  # None: never applied here (lost, or long ago)
+        if seq <= self._sub_last or (applied is not None and applied != _short_hash(payload)):
+            with self.lock:
+                self.restarts_total += 1
+                self.mirror.reset(-1)
+                self.gap_open = False
+                self._wanted = -1
+            self._recent.clear()
+        self._sub_last = seq
+        last = self.mirror.last_seq
+        if seq <= last:
+            self.duplicates_total += 1  # already applied from a replay
+            return
+        if seq > last + 1:
+            self._replay(last + 1, ctx, decoder)
+            last = self.mirror.last_seq
+            if seq <= last:
+                self.duplicates_total += 1
+                return
+            if seq > last + 1:
+                self._lose(last + 1, seq - 1)
+        self._apply(seq, payload, decoder)
+
+    def _check_tail(self, ctx: Any, decoder: Any) -> None:
+        with self.lock:
+            wanted, since = self._wanted, self._wanted_since
+        if wanted <= self.mirror.last_seq:
+            return
+        now = time.monotonic()
+        if now - since < self.opts.tail_retry_seconds or \
+                now - self._last_tail_replay < self.opts.tail_retry_seconds:
+            return
+        self._last_tail_replay = now
+        self._replay(self.mirror.last_seq + 1, ctx, decoder)
+        last = self.mirror.last_seq
+        if last < wanted and now - since >= self.opts.tail_give_up_seconds:
+            self._lose(last + 1, wanted)
+
+    def _replay(self, start: int, ctx: Any, decoder: Any) -> None:
+        """Ask for every buffered batch from ``start`` on and apply them in order. A hole in
+        what comes back (the ROUTER drops at its high-water mark too) is asked for again, up
+        to ``REPLAY_ATTEMPTS`` times; a batch still missing between two returned ones is then
+        lost (the ones after it still apply)."""
+        if self.opts.replay_endpoint is None:
+            return
+        got: dict[int, bytes] = {}
+        for _ in range(REPLAY_ATTEMPTS):
+            got.update(self._fetch_replay(start, ctx))
+            while self.mirror.last_seq + 1 in got:
+                seq = self.mirror.last_seq + 1
+                self.replayed_batches_total += 1
+                self._apply(seq, got.pop(seq), decoder)
+            got = {s: p for s, p in got.items() if s > self.mirror.last_seq}
+            if not got:
+                return
+            start = self.mirror.last_seq + 1  # a hole before later batches: ask again
+        for seq in sorted(got):
+            last = self.mirror.last_seq
+            if seq > last + 1:
+                self._lose(last + 1, seq - 1)
+            self.replayed_batches_total += 1
+            self._apply(seq, got[seq], decoder)
+
+    def _fetch_replay(self, start: int, ctx: Any) -> dict[int, bytes]:
+        """One replay request: the batches it returns, by sequence number."""
+        import zmq
+
+        assert self.opts.replay_endpoint is not None
+        self.replays_total += 1
+        got: dict[int, bytes] = {}
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.RCVHWM, 0)  # take the whole replay; never drop on this side
+            sock.connect(connect_address(self.opts.replay_endpoint))
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            timeout_ms = int(self.opts.replay_timeout_seconds * 1000)
+            while sock.poll(timeout_ms):
+                frames = sock.recv_multipart()
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    break
+                seq = int.from_bytes(frames[2], "big")
+                if self.input_filter is not None and not self.input_filter(seq, True):
+                    self.filtered_total += 1
+                    continue
+                if seq > self.mirror.last_seq:
+                    got[seq] = frames[3]
+        finally:
+            sock.close(linger=0)
+        return got
+
+    def _lose(self, first: int, last: int) -> None:
+        with self.lock:
+            self.lost_batches_total += last - first + 1
+            self.gaps.append((first, last))
+            self.gap_open = True
+            self.mirror.skip_to(last)
+        log.warning("kvguard: KV-event batches %d-%d from %s are lost (replay could not give "
+                    "them back); the mirror may now differ from the engine", first, last,
+                    self.opts.endpoint)
+
+    def _apply(self, seq: int, payload: bytes, decoder: Any) -> None:
+        try:
+            events = decode_batch(payload, decoder)
+        except Exception:
+            self.decode_errors_total += 1
+            events = []
+        with self.lock:
+            self.mirror.apply(seq, events)
+            if any(isinstance(e, Cleared) for e in events):
+                self.gap_open = False
+        self._recent[seq] = _short_hash(payload)
+        if len(self._recent) > RECENT_BATCHES:
+            self._recent.popitem(last=False)
+
+
+def _short_hash(payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, digest_size=8).digest()

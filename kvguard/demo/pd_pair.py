@@ -30,6 +30,10 @@ THREAD_LIMITS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_T
 ``VLLM_CPU_OMP_THREADS_BIND``): on 2 loaded cores, thread pools sized for the machine
 made the prefill worker stall for a minute."""
 
+START_TIMEOUT_SECONDS = 300.0
+"""Per server, to healthy and again to its warm-up answer: two servers starting at once
+on 2 loaded cores have taken over 120 s."""
+
 DEFAULT_LEASE_SECONDS = 12
 """Tests' NIXL lease: heartbeats every 2 s extend it by 8 s; a lapsed one is seen in 12 s."""
 
@@ -82,7 +86,7 @@ def pd_pair(model_dir: Path, run_dir: Path, log_dir: Path, *,
             nixl_spec(model_dir, role, lease_seconds=lease_seconds,
                       scheduler_cls=scheduler_cls, uni_executor=uni_executor,
                       tensor_parallel_size=tp),
-            log_path=log_dir / f"{name}.log",
+            log_path=log_dir / f"{name}.log", health_timeout_seconds=START_TIMEOUT_SECONDS,
             env={**common, "KVGUARD_ENGINE_NAME": name,
                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
                  "VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})}))

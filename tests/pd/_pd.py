@@ -1,0 +1,73 @@
+"""Shared by the P/D tests: two real vLLM servers, read the way an operator reads them."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvguard.core.state import EngineState
+from kvguard.demo.pd_pair import PdPair
+from kvguard.transport.reader import read_run_dir
+
+WAIT_SECONDS = 180.0
+"""The longest any single wait may take: a loaded 2-core machine has stalled a CPU
+worker for 60-100 s ("No available shared memory broadcast block")."""
+
+PROMPT_WORDS = 150
+"""A prompt of 5 blocks (32 tokens each) with the tiny model's tokenizer."""
+
+
+def prompt(tag: str) -> str:
+    return f"{tag} " + " ".join(f"w{i}" for i in range(PROMPT_WORDS))
+
+
+def body(pair: PdPair, tag: str, max_tokens: int = 8) -> dict[str, Any]:
+    return {"model": pair.prefill.spec.served_model_name, "prompt": prompt(tag),
+            "max_tokens": max_tokens, "temperature": 0.0}
+
+
+def vllm_series(url: str, name: str) -> float:
+    """A vLLM series summed over its labels (a counter's ``_total`` sample included)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return float(sum(s.value for fam in text_string_to_metric_families(text)
+                     for s in fam.samples if s.name in (name, name + "_total")))
+
+
+def blocks_in_use(server: Any) -> int:
+    """vLLM's own count of blocks with a reference: usage x usable capacity."""
+    usable: int = server.spec.num_gpu_blocks_override - 1
+    return round(vllm_series(server.base_url, "vllm:kv_cache_usage_perc") * usable)
+
+
+def post_plain(server: Any, tag: str) -> None:
+    """One ordinary completion (no transfer): makes an idle engine step."""
+    body = {"model": server.spec.served_model_name, "prompt": prompt(tag), "max_tokens": 2}
+    req = urllib.request.Request(server.base_url + "/v1/completions",
+                                 json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=WAIT_SECONDS) as resp:
+        assert resp.status == 200
+
+
+def state(pair: PdPair, engine: str) -> EngineState:
+    for s in read_run_dir(pair.run_dir).states:
+        if s.engine == engine:
+            return s
+    raise AssertionError(f"no state of {engine} in {pair.run_dir}")
+
+
+def until(what: str, cond: Callable[[], Any], timeout: float = WAIT_SECONDS) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+

@@ -34,6 +34,7 @@ from kvguard.core.transfers import (
     TransferRole,
     TransferSource,
     TransfersState,
+    WorkerRankState,
 )
 from kvguard.core.types import (
     BlockState,
@@ -107,6 +108,7 @@ __all__ = [
     "TransfersState",
     "TransportError",
     "Verdict",
+    "WorkerRankState",
     "__version__",
     "classify_block",
     "link_transfers",

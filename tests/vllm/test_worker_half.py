@@ -79,7 +79,7 @@ class StandInConnector:
 
 
 class Config:
-    class parallel_config:  # noqa: N801
+    class parallel_config:
         tensor_parallel_size = 1
         pipeline_parallel_size = 1
 
@@ -170,7 +170,7 @@ def test_a_failure_inside_the_worker_half_is_counted_and_the_worker_runs_on() ->
     def broken() -> None:
         raise RuntimeError("kvguard must contain this")
 
-    half.take_report = broken  # type: ignore[assignment,method-assign]
+    half.take_report = broken  # type: ignore[method-assign]
     w.consumer_notification_counts_by_req = defaultdict(int)
     w.hold("p-2", 30.0)
     sent, meta = _step(conn)

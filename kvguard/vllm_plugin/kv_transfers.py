@@ -60,7 +60,6 @@ class VllmTransfers:
         self._fallback = connector_hold_bound(vllm_config)
         self.join = RankJoin()
         """The worker halves' reports, joined across ranks."""
-        self._events: list[TransferEvent] = []
         # The one-process executor built the worker (and its connector) in this process
         # before the scheduler: give it its worker half if no plugin did.
         maybe_install_in_process(vllm_config)
@@ -119,8 +118,9 @@ class VllmTransfers:
         return out
 
     def drain_events(self) -> list[TransferEvent]:
-        out, self._events = self._events, []
-        return out
+        """Nothing is queued between steps: the worker halves' news arrives with each
+        step's output (:meth:`connector_output`)."""
+        return []
 
     # ---------------------------------------------------- scheduler-side events
     def admitted(self, request: Any, at: float) -> TransferEvent | None:
@@ -147,9 +147,7 @@ class VllmTransfers:
     def connector_output(self, output: Any, at: float) -> list[TransferEvent]:
         """What ``Scheduler._update_from_kv_xfer_finished`` is about to apply: the worker
         halves' news first (a lapsed lease is also in ``finished_sending``)."""
-        events = self.drain_events()
-        events.extend(self.join.feed(reports_of(
-            getattr(output, "kv_connector_worker_meta", None))))
+        events = self.join.feed(reports_of(getattr(output, "kv_connector_worker_meta", None)))
         for rid in getattr(output, "finished_recving", None) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
                                         outcome=TransferOutcome.RECEIVED))

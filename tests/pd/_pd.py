@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 from collections.abc import Callable
@@ -71,3 +72,22 @@ def until(what: str, cond: Callable[[], Any], timeout: float = WAIT_SECONDS) -> 
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+
+
+EXPIRED_LINE = "Releasing expired KV blocks for request"
+"""NIXL's worker, once per rank, when a lease lapses and it releases the blocks."""
+LATE_LINE = "Potentially invalid KV blocks for unrecognized request"
+"""NIXL's worker, once per rank, when a read notification names a request it no longer
+holds."""
+
+
+def logged_requests(server: Any, line: str) -> list[str]:
+    """The request ids in ``server``'s log lines that start with ``line`` (one per rank)."""
+    text = server.log_path.read_text(errors="replace")
+    return re.findall(re.escape(line) + r" (\S+?)(?: which| were|$)", text, re.M)
+
+
+def freed_then_read(server: Any) -> set[str]:
+    """Requests whose lease vLLM let lapse and which a decode worker read afterwards, by
+    vLLM's own log: the freed-before-read hazard."""
+    return set(logged_requests(server, EXPIRED_LINE)) & set(logged_requests(server, LATE_LINE))

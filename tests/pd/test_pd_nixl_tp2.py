@@ -14,12 +14,22 @@ has been slower than the lease) is not asserted; that kvguard says the same is.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 
 import pytest
-from _pd import WAIT_SECONDS, blocks_in_use, body, post_plain, state, until, vllm_series
+from _pd import (
+    EXPIRED_LINE,
+    LATE_LINE,
+    WAIT_SECONDS,
+    blocks_in_use,
+    body,
+    logged_requests,
+    post_plain,
+    state,
+    until,
+    vllm_series,
+)
 
 from kvguard.demo.pd_pair import PdPair, pd_pair
 from kvguard.demo.pd_proxy import decode, pd_complete, prefill
@@ -39,15 +49,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
         yield p
 
 
-def _log_requests(pair: PdPair, pattern: str) -> list[str]:
-    """The request ids of the prefill log's lines matching ``pattern`` (one per rank)."""
-    return re.findall(pattern + r" (cmpl-\S+)", pair.prefill.log_path.read_text())
-
-
-EXPIRED = "Releasing expired KV blocks for request"
-LATE = "Potentially invalid KV blocks for unrecognized request"
-
-
 def _counts_agree(pair: PdPair) -> None:
     """kvguard's per-rank lapses and late reads, summed, equal vLLM's counters; each
     rank's equal that rank's log lines."""
@@ -59,7 +60,8 @@ def _counts_agree(pair: PdPair) -> None:
         theirs = (vllm_series(pair.prefill.base_url, "vllm:nixl_num_kv_expired_reqs"),
                   vllm_series(pair.prefill.base_url,
                               "vllm:nixl_num_notifications_after_expiry"))
-        logged = (len(_log_requests(pair, EXPIRED)), len(_log_requests(pair, LATE)))
+        logged = (len(logged_requests(pair.prefill, EXPIRED_LINE)),
+                  len(logged_requests(pair.prefill, LATE_LINE)))
         return ours == theirs == logged
     until("kvguard's per-rank NIXL counts to equal vLLM's", agree)
 
@@ -78,7 +80,7 @@ def test_each_prefill_rank_reports_from_its_own_worker_process(pair: PdPair) -> 
     rec = until("the hold to end", lambda: (t := state(pair, "prefill").transfers) and next(
         (r for r in t.records if "tp2-ok-1" in r.client_request_id
          and r.outcome.value != "pending"), None))
-    lapsed_on = _log_requests(pair, EXPIRED).count(rec.request_id)
+    lapsed_on = logged_requests(pair.prefill, EXPIRED_LINE).count(rec.request_id)
     # vLLM either read it on both ranks or let the lease lapse (the log says which).
     assert rec.outcome.value == ("read" if lapsed_on == 0 else "expired_unread"), lapsed_on
     _counts_agree(pair)
@@ -93,7 +95,8 @@ def test_a_lease_lapsed_on_every_rank_is_one_expired_hold_and_a_late_read_a_haza
     rec = until("kvguard's record", lambda: (t := state(pair, "prefill").transfers) and next(
         (r for r in t.records if "tp2-never-1" in r.client_request_id
          and r.outcome.value != "pending"), None))
-    assert _log_requests(pair, EXPIRED).count(rec.request_id) == TP  # one line per rank
+    # One line per rank.
+    assert logged_requests(pair.prefill, EXPIRED_LINE).count(rec.request_id) == TP
     assert rec.outcome.value == "expired_unread" and rec.ended_at is not None
     assert rec.ended_at >= t0
     _counts_agree(pair)
@@ -102,7 +105,7 @@ def test_a_lease_lapsed_on_every_rank_is_one_expired_hold_and_a_late_read_a_haza
     # The idle prefill engine reads notifications only in a step: give it one.
     post_plain(pair.prefill, "tp2-kick")
     until("vLLM's own warning of a read after expiry",
-          lambda: rec.request_id in _log_requests(pair, LATE))
+          lambda: rec.request_id in logged_requests(pair.prefill, LATE_LINE))
     t = until("kvguard's hazard", lambda: (s := state(pair, "prefill").transfers)
               and s.hazards and s)
     (hz,) = [h for h in t.hazards if h.request_id == rec.request_id]

@@ -91,3 +91,8 @@ def freed_then_read(server: Any) -> set[str]:
     """Requests whose lease vLLM let lapse and which a decode worker read afterwards, by
     vLLM's own log: the freed-before-read hazard."""
     return set(logged_requests(server, EXPIRED_LINE)) & set(logged_requests(server, LATE_LINE))
+
+
+def client_id(vllm_request_id: str) -> str:
+    """The id the client gave, from vLLM's internal one (vLLM appends ``-<8 hex>``)."""
+    return vllm_request_id.rsplit("-", 1)[0]

@@ -36,6 +36,7 @@ from _pd import (
     WAIT_SECONDS,
     blocks_in_use,
     body,
+    client_id,
     freed_then_read,
     logged_requests,
     post_plain,
@@ -151,7 +152,7 @@ def test_a_healthy_transfer_is_clean_on_both_sides(pair: PdPair) -> None:
     # No link, unless vLLM freed a hold before its read (then that one, by vLLM's log).
     until("the links to match vLLM's log", lambda: {ln.prefill_request_id for ln in
           link_transfers({"p": state(pair, "prefill"), "d": state(pair, "decode")})}
-          == freed_then_read(pair.prefill) or None)
+          == {client_id(r) for r in freed_then_read(pair.prefill)} or None)
 
 
 def test_decode_never_comes_the_lease_releases_the_hold_and_no_leak(pair: PdPair) -> None:
@@ -195,7 +196,7 @@ def test_a_read_after_the_lease_lapsed_is_reported_as_a_hazard(pair: PdPair) -> 
     links = until("the cross-engine link", lambda: [ln for ln in link_transfers(
         {"prefill": state(pair, "prefill"), "decode": state(pair, "decode")})
         if ln.kind is LinkKind.FREED_BEFORE_READ])
-    assert {ln.prefill_request_id for ln in links} == truth
+    assert {ln.prefill_request_id for ln in links} == {client_id(r) for r in truth}
     # In Prometheus: per engine, no request label.
     samples = _sidecar_samples(pair)
     assert samples[("kvguard_kv_transfer_hazards_total", "prefill", "freed_before_read")] \

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -96,3 +97,25 @@ def freed_then_read(server: Any) -> set[str]:
 def client_id(vllm_request_id: str) -> str:
     """The id the client gave, from vLLM's internal one (vLLM appends ``-<8 hex>``)."""
     return vllm_request_id.rsplit("-", 1)[0]
+
+
+HANDSHAKE_TRIES = 3
+
+
+def first_transfer(pair: PdPair) -> None:
+    """One P/D request before the tests, retried: the first read makes the decode worker
+    handshake with the prefill engine's NIXL side channel, whose reply vLLM waits for 5 s
+    at most (``zmq.RCVTIMEO``, ``nixl/base_worker.py``); on 2 loaded cores it has come too
+    late, and vLLM failed that request (HTTP 500, "KV load failure")."""
+    from kvguard.demo.pd_proxy import pd_complete
+
+    for attempt in range(HANDSHAKE_TRIES):
+        try:
+            out = pd_complete(pair.prefill.base_url, pair.decode.base_url,
+                              body(pair, f"handshake{attempt}"), f"handshake-{attempt}",
+                              timeout_seconds=WAIT_SECONDS)
+        except urllib.error.HTTPError:
+            continue
+        if out.decode is not None:
+            return
+    raise AssertionError(f"no P/D transfer succeeded in {HANDSHAKE_TRIES} tries")

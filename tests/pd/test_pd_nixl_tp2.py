@@ -24,6 +24,7 @@ from _pd import (
     WAIT_SECONDS,
     blocks_in_use,
     body,
+    first_transfer,
     logged_requests,
     post_plain,
     state,
@@ -46,6 +47,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
     env = {"VLLM_PLUGINS": "kvguard"}
     with pd_pair(make_tiny_model(tmp / "model"), tmp / "run", tmp / "logs",
                  prefill_tensor_parallel_size=TP, prefill_env=env, decode_env=env) as p:
+        first_transfer(p)
         yield p
 
 

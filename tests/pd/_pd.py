@@ -66,7 +66,10 @@ def state(pair: PdPair, engine: str) -> EngineState:
 def until(what: str, cond: Callable[[], Any], timeout: float = WAIT_SECONDS) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        v = cond()
+        try:
+            v = cond()
+        except (TimeoutError, urllib.error.URLError):  # a stalled server: ask again
+            v = None
         if v:
             return v
         time.sleep(0.25)
@@ -114,7 +117,7 @@ def first_transfer(pair: PdPair) -> None:
             out = pd_complete(pair.prefill.base_url, pair.decode.base_url,
                               body(pair, f"handshake{attempt}"), f"handshake-{attempt}",
                               timeout_seconds=WAIT_SECONDS)
-        except urllib.error.HTTPError:
+        except (TimeoutError, urllib.error.URLError):  # HTTPError included
             continue
         if out.decode is not None:
             return

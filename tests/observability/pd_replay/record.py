@@ -65,9 +65,15 @@ def _body(pair: PdPair, tag: str) -> dict[str, Any]:
 
 
 def _metrics_text(base_url: str) -> str:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=10) as resp:
-        text: str = resp.read().decode()
-    return text
+    """vLLM's /metrics, asked again when a server busy with its worker does not answer."""
+    for _ in range(5):
+        try:
+            with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+                text: str = resp.read().decode()
+            return text
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"{base_url}/metrics did not answer in 5 tries of 30 s")
 
 
 def _vllm_only(text: str) -> str:
@@ -153,6 +159,9 @@ def record(work: Path) -> None:
         for rid in healthy:
             pd_complete(pair.prefill.base_url, pair.decode.base_url, _body(pair, rid), rid)
         _until("the prefill side to free", lambda: _blocks_in_use(pair.prefill) == 0)
+        # The reads reach kvguard with a step's output (its worker half rides the
+        # connector's output): an idle prefill engine needs one more step to count them.
+        _post_plain(pair.prefill, "kick-healthy")
         _until("both sides to count 3", lambda: _transfers(pair, "prefill").get(
             "outcomes_total", {}).get("read") == 3 and _transfers(pair, "decode").get(
             "outcomes_total", {}).get("received") == 3)

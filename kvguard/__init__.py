@@ -35,7 +35,6 @@ from kvguard.core.transfers import (
     TransferRole,
     TransferSource,
     TransfersState,
-    WorkerRankState,
 )
 from kvguard.core.types import (
     BlockState,
@@ -121,7 +120,6 @@ __all__ = [
     "TransfersState",
     "TransportError",
     "Verdict",
-    "WorkerRankState",
     "__version__",
     "classify_block",
     "judge",

@@ -21,7 +21,6 @@ from kvguard.core.transfers import (
     TransferLog,
     TransferOutcome,
     TransferRole,
-    WorkerRankState,
 )
 from kvguard.core.types import (
     AcquireKind,
@@ -94,9 +93,6 @@ class ScriptedNixl:
     def drain_events(self) -> list[TransferEvent]:
         out, self.events = self.events, []
         return out
-
-    def worker_ranks(self) -> list[WorkerRankState]:
-        return []
 
 
 class NixlRefAdapter(RefAdapter):

@@ -35,6 +35,7 @@ from kvguard.core.transfers import (
     TransferRole,
     TransferSource,
     TransfersState,
+    WorkerRankState,
 )
 from kvguard.core.types import (
     BlockState,
@@ -120,6 +121,7 @@ __all__ = [
     "TransfersState",
     "TransportError",
     "Verdict",
+    "WorkerRankState",
     "__version__",
     "classify_block",
     "judge",

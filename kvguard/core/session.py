@@ -351,6 +351,7 @@ class GuardSession:
             self._transfer_errors_seen = src.errors
         deadlines = src.hold_deadlines()
         log_.hold_source = src.hold_source
+        log_.worker_ranks = src.worker_ranks()
         if deadlines is None:
             return
         # Only the holds the connector lists and those it listed before: the work follows

@@ -21,7 +21,10 @@ engines, P/D); a reader of schema 2 would reject the new field, so it says "anot
 kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
 pace of drained audits). 5: ``cost`` (kvguard's own time on the engine thread, metered on a
 sample of steps). 6: ``model_name`` and ``engine_index``, the labels that join kvguard's
-series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: issue 44's change.
+series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: ``transfers.worker_ranks``
+(what kvguard's worker half in each worker process reported: per-rank lease lapses, late
+reads, finished transfers, drops, errors); ``transfers.hold_source`` names where the
+leases came from (a worker process, or EngineCore).
 8: ``kv_events`` (the engine's KV-event stream and its pool's hashed blocks at the last drained
 checkpoint, for the KV-event mirror check)."""
 

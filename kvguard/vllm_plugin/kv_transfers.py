@@ -1,40 +1,41 @@
 """``VllmTransfers``: the :class:`~kvguard.core.transfers.TransferSource` of one vLLM engine.
 
-What kvguard reads from vLLM's KV connector in P/D disaggregation (vLLM 0.32):
+What kvguard reads from vLLM's KV connector in P/D disaggregation (vLLM 0.32, 0.33):
 
 - The scheduler's connector (``Scheduler.connector``): its class, ``kv_role`` and, for
   NIXL, ``connector_scheduler.engine_id`` (what the decode side's ``remote_engine_id``
   names) and ``_reqs_need_send`` (leases granted at ``request_finished``, not yet
   handed to the worker), in ``time.perf_counter`` seconds.
-- The worker's connector, where it lives in this process (the uniprocess executor of a
-  one-worker engine; vLLM's ``get_kv_transfer_group()``): NIXL's
-  ``connector_worker._reqs_to_send``, the live lease of every held request, which the
-  decode side's heartbeats extend. Its lease reaper (``_reap_expired_send_leases``) and
-  its notification read (``nixl_wrapper.get_new_notifs``) are wrapped to learn which
-  leases lapsed, after how many reads, and which reads arrived after that.
+- The worker side, wherever it runs (a ``Worker`` process per rank with the
+  multiprocess executor, EngineCore with the one-process one): its worker half
+  (:mod:`kvguard.vllm_plugin.worker_half`) reports every step, in the step's
+  ``kv_connector_worker_meta``, the leases it holds (renewals included), the leases that
+  lapsed and after how many reads, reads that arrived after that, and the rank's
+  finished transfers. :class:`~kvguard.core.worker_reports.RankJoin` joins the ranks:
+  a hold ends when every rank let go, and ended expired when a lease lapsed on any.
 
-With a multi-process executor the worker is elsewhere: :meth:`hold_deadlines` returns
-``None`` and the configured bound (``connector_bounds``) applies; ``hold_source`` says
-which. Everything is read with ``getattr`` and every wrapper passes the engine's own
-result through unchanged; a failure inside one is counted by the session's containment
-(here: swallowed and counted in ``errors``) and never reaches the engine.
-
-Worker-side wrappers may run on another thread than the scheduler's: they only append
-to a ``deque`` that :meth:`drain_events` empties on the scheduler thread.
+Until a worker half has reported, :meth:`hold_deadlines` returns ``None`` and the
+configured bound (``connector_bounds``) applies; ``hold_source`` says which, and where
+the leases come from. Everything is read with ``getattr``; the worker half's own
+failures are counted there and reach the session as ``errors``.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvguard.core.transfers import TransferEvent, TransferEventKind, TransferOutcome, TransferRole
+from kvguard.core.transfers import (
+    TransferEvent,
+    TransferEventKind,
+    TransferOutcome,
+    TransferRole,
+    WorkerRankState,
+)
+from kvguard.core.worker_reports import RankJoin
 from kvguard.vllm_plugin.connector_bounds import connector_hold_bound
-
-MAX_QUEUED_EVENTS = 4096
-"""Worker-side events kept until the scheduler thread reads them (oldest dropped)."""
+from kvguard.vllm_plugin.worker_half import maybe_install_in_process, reports_of
 
 
 def _unix(perf_deadline: float, now_unix: float, now_perf: float) -> float:
@@ -57,12 +58,11 @@ class VllmTransfers:
         engine_id = getattr(cs, "engine_id", None) or getattr(kv, "engine_id", None)
         self._kv_engine_id = str(engine_id) if engine_id is not None else None
         self._fallback = connector_hold_bound(vllm_config)
-        self._sched_leases: Mapping[str, float] | None = None
-        self._worker: Any = None
-        self._worker_wrapped = False
-        self._events: deque[TransferEvent] = deque(maxlen=MAX_QUEUED_EVENTS)
-        self.errors = 0
-        """Failures inside the worker-side wrappers (contained)."""
+        self.join = RankJoin()
+        """The worker halves' reports, joined across ranks."""
+        # The one-process executor built the worker (and its connector) in this process
+        # before the scheduler: give it its worker half if no plugin did.
+        maybe_install_in_process(vllm_config)
 
     # --------------------------------------------------------------- identity
     @property
@@ -79,120 +79,48 @@ class VllmTransfers:
 
     @property
     def hold_source(self) -> str:
-        if self._find_worker() is not None:
-            return (f"{self._connector_name} live leases (renewed by the decode side's "
-                    "heartbeats)")
-        return f"configured bound: {self._fallback.source}"
+        join = self.join
+        if not join.reporting:
+            return f"configured bound: {self._fallback.source}"
+        where = ("its worker in EngineCore (one-process executor)"
+                 if join.pids == {os.getpid()} else
+                 f"kvguard's worker half in {join.world_size} worker process"
+                 + ("es" if join.world_size > 1 else ""))
+        return (f"{self._connector_name} live leases (renewed by the decode side's "
+                f"heartbeats), reported by {where}")
 
-    # ----------------------------------------------------------------- worker
-    def _find_worker(self) -> Any:
-        """NIXL's worker-side connector when it lives in this process, else ``None``."""
-        if self._worker is not None:
-            return self._worker
-        try:
-            from vllm.distributed.kv_transfer import kv_transfer_state
-        except Exception:
-            return None
-        agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
-        worker = getattr(agent, "connector_worker", None)
-        if worker is None or not isinstance(getattr(worker, "_reqs_to_send", None), dict):
-            return None
-        self._worker = worker
-        self._wrap_worker(worker)
-        return worker
+    @property
+    def errors(self) -> int:
+        """Failures contained inside the worker halves, all ranks."""
+        return sum(c.errors_total for c in self.join.ranks.values())
 
-    def _wrap_worker(self, worker: Any) -> None:
-        if self._worker_wrapped:
-            return
-        self._worker_wrapped = True
-        reap = getattr(worker, "_reap_expired_send_leases", None)
-        if callable(reap):
-            worker._reap_expired_send_leases = self._wrapped_reap(worker, reap)
-        wrapper: Any = getattr(worker, "nixl_wrapper", None)
-        notifs = getattr(wrapper, "get_new_notifs", None)
-        if wrapper is not None and callable(notifs):
-            try:
-                wrapper.get_new_notifs = self._wrapped_notifs(worker, notifs)
-            except Exception:  # a C extension object without a __dict__: no late reads
-                self.errors += 1
-
-    def _wrapped_reap(self, worker: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def _reap_expired_send_leases(done_sending: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(worker, "_reqs_to_send", None):
-                return orig(done_sending, *args, **kwargs)  # no lease: nothing can lapse
-            before: dict[str, int] = {}
-            expected: dict[str, int] = {}
-            try:
-                before = dict(getattr(worker, "consumer_notification_counts_by_req", {}))
-                expected = dict(getattr(worker, "expected_consumer_notifications_by_req", {}))
-                held = set(worker._reqs_to_send)
-            except Exception:
-                self.errors += 1
-                held = set()
-            ret = orig(done_sending, *args, **kwargs)
-            try:
-                if held:
-                    now = time.time()
-                    for rid in held - set(worker._reqs_to_send):
-                        reads = int(before.get(rid, 0))
-                        want = int(expected.get(rid, 1) or 1)
-                        outcome = (TransferOutcome.EXPIRED_UNREAD if reads == 0 else
-                                   TransferOutcome.EXPIRED_PARTLY_READ if reads < want else
-                                   TransferOutcome.READ)
-                        self._events.append(TransferEvent(
-                            TransferEventKind.ENDED, str(rid), now, outcome=outcome,
-                            reads=reads))
-            except Exception:
-                self.errors += 1
-            return ret
-        return _reap_expired_send_leases
-
-    def _wrapped_notifs(self, worker: Any, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def get_new_notifs(*args: Any, **kwargs: Any) -> Any:
-            out = orig(*args, **kwargs)
-            try:
-                for notifs in out.values():  # usually none: nothing to do per step
-                    for n in notifs:
-                        msg = n.decode("utf-8") if isinstance(n, bytes | bytearray) else str(n)
-                        if msg.startswith("HB:"):
-                            continue  # a lease renewal, not a read
-                        rid = msg.rsplit(":", 1)[0]
-                        if rid not in worker._reqs_to_send and rid not in getattr(
-                                worker, "_reqs_to_process", ()):
-                            self._events.append(TransferEvent(
-                                TransferEventKind.LATE_READ, rid, time.time()))
-            except Exception:
-                self.errors += 1
-            return out
-        return get_new_notifs
+    def worker_ranks(self) -> list[WorkerRankState]:
+        return [WorkerRankState(
+            rank=c.rank, pid=c.pid, reports_total=c.reports_total,
+            lease_lapses_total=c.lapses_total, late_reads_total=c.late_reads_total,
+            finished_sending_total=c.finished_sending_total,
+            finished_recving_total=c.finished_recving_total, dropped_total=c.dropped_total,
+            errors_total=c.errors_total) for c in sorted(self.join.ranks.values(),
+                                                         key=lambda c: c.rank)]
 
     # ------------------------------------------------------------------ reads
     def hold_deadlines(self) -> dict[str, float] | None:
-        worker = self._find_worker()
-        if worker is None:
+        if not self.join.reporting:
             return None
+        out = self.join.deadlines()
         now_unix, now_perf = time.time(), time.perf_counter()
-        out: dict[str, float] = {}
         cs = getattr(self._connector, "connector_scheduler", None)
-        for src in (getattr(cs, "_reqs_need_send", None), getattr(worker, "_reqs_to_send", None)):
-            if not isinstance(src, dict):
-                continue
-            for _ in range(3):  # the worker thread may change the dict while it is copied
-                try:
-                    items = list(src.items())
-                    break
-                except RuntimeError:
-                    items = []
-            for rid, deadline in items:
-                if isinstance(deadline, int | float):
+        src = getattr(cs, "_reqs_need_send", None)  # granted, not yet handed to the worker
+        if isinstance(src, dict):
+            for rid, deadline in list(src.items()):
+                if isinstance(deadline, int | float) and str(rid) not in out:
                     out[str(rid)] = _unix(float(deadline), now_unix, now_perf)
         return out
 
     def drain_events(self) -> list[TransferEvent]:
-        out: list[TransferEvent] = []
-        while self._events:
-            out.append(self._events.popleft())
-        return out
+        """Nothing is queued between steps: the worker halves' news arrives with each
+        step's output (:meth:`connector_output`)."""
+        return []
 
     # ---------------------------------------------------- scheduler-side events
     def admitted(self, request: Any, at: float) -> TransferEvent | None:
@@ -217,19 +145,18 @@ class VllmTransfers:
                              role=TransferRole.PREFILL)
 
     def connector_output(self, output: Any, at: float) -> list[TransferEvent]:
-        """What ``Scheduler._update_from_kv_xfer_finished`` is about to apply: queued
-        worker events first (a lapsed lease is also in ``finished_sending``)."""
-        events = self.drain_events()
+        """What ``Scheduler._update_from_kv_xfer_finished`` is about to apply: the worker
+        halves' news first (a lapsed lease is also in ``finished_sending``)."""
+        events = self.join.feed(reports_of(getattr(output, "kv_connector_worker_meta", None)))
         for rid in getattr(output, "finished_recving", None) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
                                         outcome=TransferOutcome.RECEIVED))
         for rid in getattr(output, "failed_recving", None) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
                                         outcome=TransferOutcome.FAILED))
-        # With the worker in this process its reaper reported lapsed leases (queued above),
-        # so what is left ended by a read; out of process, read and lapse look the same.
-        sent = TransferOutcome.READ if self._find_worker() is not None \
-            else TransferOutcome.RELEASED
+        # With a worker half reporting, a lapse was reported above (the same step), so
+        # what is left ended by reads; without one, read and lapse look the same.
+        sent = TransferOutcome.READ if self.join.reporting else TransferOutcome.RELEASED
         for rid in getattr(output, "finished_sending", None) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at, outcome=sent))
         return events

@@ -1,11 +1,14 @@
 """The ``vllm.general_plugins`` entry point: ``kvguard = kvguard.vllm_plugin.plugin:register``.
 
 vLLM calls ``register()`` in every process it starts (API server, EngineCore,
-workers), in EngineCore before the scheduler is built. ``register`` patches
-``Scheduler.__init__`` once so that each scheduler built afterwards gets an
-``EngineGuard`` and its hooks; in processes that never build a scheduler it
-costs nothing. Enable with ``VLLM_PLUGINS=kvguard`` (or leave ``VLLM_PLUGINS``
-unset, which loads every installed plugin); disable with ``KVGUARD_ENABLED=0``.
+workers), in EngineCore before the scheduler is built and in each worker before the
+worker is built. ``register`` patches ``Scheduler.__init__`` once so that each
+scheduler built afterwards gets an ``EngineGuard`` and its hooks, and
+``KVConnectorFactory.create_connector`` so that each worker-side NIXL connector gets
+kvguard's worker half (:mod:`kvguard.vllm_plugin.worker_half`), wherever the worker
+runs; in processes that build neither it costs nothing. Enable with
+``VLLM_PLUGINS=kvguard`` (or leave ``VLLM_PLUGINS`` unset, which loads every installed
+plugin); disable with ``KVGUARD_ENABLED=0``.
 
 Nothing here may stop the engine: a bad setting or an unexpected vLLM
 version logs one error and leaves the engine running without kvguard.
@@ -36,6 +39,11 @@ def register() -> None:
     except Exception as exc:
         log.error("kvguard is OFF for this process: %s", exc)
         return
+    try:
+        from kvguard.vllm_plugin.worker_half import install_worker_half
+        install_worker_half()
+    except Exception as exc:  # P/D holds then fall back to the configured bound
+        log.error("kvguard's worker half is OFF for this process: %s", exc)
     if getattr(Scheduler, _PATCHED, False):
         return
     original_init = Scheduler.__init__

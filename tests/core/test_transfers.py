@@ -21,6 +21,7 @@ from kvguard.core.transfers import (
     TransferLog,
     TransferOutcome,
     TransferRole,
+    WorkerRankState,
 )
 from kvguard.core.types import (
     AcquireKind,
@@ -93,6 +94,9 @@ class ScriptedNixl:
     def drain_events(self) -> list[TransferEvent]:
         out, self.events = self.events, []
         return out
+
+    def worker_ranks(self) -> list[WorkerRankState]:
+        return []
 
 
 class NixlRefAdapter(RefAdapter):

@@ -269,3 +269,65 @@ def test_the_otlp_span_is_a_child_of_the_incoming_context_with_every_attribute()
             return SpanExportResult.FAILURE
 
     assert not OtlpExport(TracingSettings(None, "http/protobuf", "svc"), exporter=Refusing())([rec])
+
+
+# ------------------------------------------------------------------ off, and contained
+def test_without_an_endpoint_there_is_no_tracer_and_no_tracing_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from kvguard.vllm_plugin.trace_setup import tracer_for_vllm
+
+    for key in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(key, raising=False)
+    h = Harness(8)
+    cfg = KvguardConfig.from_env({}, publish_interval_seconds=0.0, online_audit=False)
+    s = GuardSession(RefAdapter(h), cfg, engine="ref0", sink=_Sink())
+    sched = SimpleNamespace(vllm_config=SimpleNamespace(
+        observability_config=SimpleNamespace(otlp_traces_endpoint=None)))
+    assert tracer_for_vllm(sched, s) is None
+    assert s.tracer is None and s.state().tracing is None
+    threads = {t.name for t in threading.enumerate()}
+    assert "kvguard-trace-export" not in threads
+
+
+class _Broken:
+    """A tracer whose every method fails."""
+
+    def released(self, request_id: str) -> None:
+        raise RuntimeError("broken")
+
+    def prune(self, tracked: object) -> None:
+        raise RuntimeError("broken")
+
+    def report(self, report: object) -> None:
+        raise RuntimeError("broken")
+
+    def transfer_ended(self, rec: object, blocks: object) -> None:
+        raise RuntimeError("broken")
+
+    def hazard(self, hz: object, rec: object) -> None:
+        raise RuntimeError("broken")
+
+    def state(self) -> object:
+        raise RuntimeError("broken")
+
+    def close(self) -> None:
+        raise RuntimeError("broken")
+
+
+def test_a_failing_tracer_is_contained_and_never_costs_a_verdict() -> None:
+    h = Harness(64, lazy_claims=True)
+    cfg = KvguardConfig.from_env({}, publish_interval_seconds=0.0, online_audit=False)
+    s = GuardSession(RefAdapter(h), cfg, engine="ref0", sink=_Sink())
+    h.ledger = s.ledger
+    s.tracer = _Broken()  # type: ignore[assignment]
+    r = h.admit()
+    h.allocate(r, 2, hash_mask=[False, False], attributed=True)
+    h.skip_free_on_abort(r)
+    s.on_freed(r.rid, h.tick())
+    first, second = s.checkpoint_now(), s.checkpoint_now()
+    assert first.verdict is second.verdict is Verdict.LEAK  # not skipped: no ledger error
+    assert s.errors.by_hook["tracing"] >= 2 and s.errors.ledger_errors == 0
+    assert s.state().tracing is None
+    s.close()

@@ -8,13 +8,12 @@ be exported for it (a parent-based sampler drops the children of an unsampled pa
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-_TRACEPARENT: Final = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_HEX: Final = frozenset("0123456789abcdef")
 MAX_TRACESTATE_CHARS: Final = 512
 """W3C's limit for ``tracestate`` a vendor must propagate; a longer one is dropped."""
 SAMPLED: Final = 0x01
@@ -46,10 +45,11 @@ class TraceContext:
 def parse_traceparent(traceparent: str, tracestate: str | None = None) -> TraceContext | None:
     """The context a W3C ``traceparent`` names, or None when it is malformed, has an
     all-zero id, version ``ff``, or is not sampled."""
-    m = _TRACEPARENT.match(traceparent.strip().lower())
-    if m is None or m.group(1) == "ff":
-        return None
-    trace_id, span_id, flags = int(m.group(2), 16), int(m.group(3), 16), int(m.group(4), 16)
+    tp = traceparent.strip().lower()
+    if len(tp) != 55 or tp[2] != "-" or tp[35] != "-" or tp[52] != "-" or tp[:2] == "ff" \
+            or not _HEX.issuperset(tp.replace("-", "")):
+        return None  # the W3C form: 2-32-16-2 lowercase hex digits
+    trace_id, span_id, flags = int(tp[3:35], 16), int(tp[36:52], 16), int(tp[53:], 16)
     if not trace_id or not span_id or not flags & SAMPLED:
         return None
     state = tracestate.strip() if tracestate else None

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
@@ -48,12 +48,14 @@ from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
 from kvguard.core.pacing import CheckpointPacer
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
-from kvguard.core.state import EngineState, OnlineState
+from kvguard.core.state import EngineState, OnlineState, TracingState
 from kvguard.core.transfers import (
     TransferEvent,
     TransferEventKind,
+    TransferHazard,
     TransferLog,
     TransferOutcome,
+    TransferRecord,
     TransferRole,
 )
 from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
@@ -117,6 +119,31 @@ class KvEventsSource(Protocol):
         """The stream's counters, with ``snapshot``."""
 
 
+class RequestTraces(Protocol):
+    """kvguard's findings in the requests' own traces (:class:`kvguard.RequestTracer`): set
+    by the engine integration when an OTLP endpoint is configured. Every method runs on the
+    engine's thread, never blocks (export happens on another thread) and is contained."""
+
+    def released(self, request_id: str) -> None:
+        """kvguard no longer tracks the request: forget its trace context."""
+
+    def prune(self, tracked: Callable[[str], bool]) -> None:
+        """Forget the contexts of requests ``tracked`` says are no longer followed."""
+
+    def report(self, report: CheckpointReport) -> None:
+        """A report: a span per leak finding of a traced request, once per finding."""
+
+    def transfer_ended(self, rec: TransferRecord, blocks: int | None) -> None:
+        """A KV transfer ended (``blocks``: the request's blocks then, by the ledger)."""
+
+    def hazard(self, hz: TransferHazard, rec: TransferRecord | None) -> None:
+        """A transfer hazard (``rec``: its transfer, if still kept)."""
+
+    def state(self) -> TracingState: ...
+
+    def close(self) -> None: ...
+
+
 class DrainBlocker(NamedTuple):
     """Why a moment is not drained (:meth:`GuardSession.drain_blocker`)."""
 
@@ -132,7 +159,7 @@ class HookErrors:
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests", "transfers", "checkpoint", "cost_meter",
-                             "idle_wake", "idle", "kv_events"})
+                             "idle_wake", "idle", "kv_events", "tracing"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -198,6 +225,11 @@ class GuardSession:
             self.transfers = TransferLog(connector=src.connector, kv_role=src.kv_role,
                                          kv_engine_id=src.kv_engine_id,
                                          hold_source=src.hold_source)
+            self.transfers.on_ended = self._traced_transfer
+            self.transfers.on_hazard = self._traced_hazard
+        self.tracer: RequestTraces | None = None
+        """Findings into the requests' traces (set by the engine integration when an OTLP
+        endpoint is configured; None: off, and no call is made)."""
         self._next_transfer_poll = 0.0
         self._transfer_errors_seen = 0
         self._leased: set[RequestId] = set()
@@ -388,6 +420,28 @@ class GuardSession:
         self.drain_pending = True
         if self.transfers is not None:  # a hold that ended without a word from the connector
             self.transfers.ended(request_id, TransferOutcome.RELEASED, at)
+        tracer = self.tracer
+        if tracer is not None:
+            rec = self.ledger.record(request_id)
+            if rec is None or not rec.blocks:  # a request still holding blocks may leak
+                with self.contain("tracing"):
+                    tracer.released(request_id)
+
+    def _traced_transfer(self, rec: TransferRecord) -> None:
+        """The transfer log closed ``rec``: its span, when the request is traced."""
+        tracer = self.tracer
+        if tracer is None:
+            return
+        with self.contain("tracing"):
+            held = self.ledger.record(RequestId(rec.request_id))
+            tracer.transfer_ended(rec, held.num_blocks if held is not None else None)
+
+    def _traced_hazard(self, hz: TransferHazard) -> None:
+        tracer = self.tracer
+        if tracer is None or self.transfers is None:
+            return
+        with self.contain("tracing"):
+            tracer.hazard(hz, self.transfers.get(hz.request_id))
 
     def on_release_done(self) -> None:
         """A finish or free path returned: a drain may follow."""
@@ -719,6 +773,13 @@ class GuardSession:
 
     def _record(self, report: CheckpointReport) -> CheckpointReport:
         self.reports.append(report)
+        tracer = self.tracer
+        if tracer is not None:
+            with self.contain("tracing"):
+                tracer.report(report)
+                if report.drained:  # forget contexts of requests the ledger let go of
+                    records = self.ledger.records_map()
+                    tracer.prune(lambda rid: RequestId(rid) in records)
         self.checkpoints_total[report.verdict.value] += 1
         if report.evidence is Evidence.ONLINE:
             self.online_checkpoints_total[report.verdict.value] += 1
@@ -775,8 +836,19 @@ class GuardSession:
             transfers=self.transfers.state() if self.transfers is not None else None,
             cost=self.meter.state() if self.meter.every else None,
             kv_events=self._kv_events_state(),
+            tracing=self._tracing_state(),
             reports=list(self.reports),
         )
+
+    def _tracing_state(self) -> TracingState | None:
+        tracer = self.tracer
+        if tracer is None:
+            return None
+        try:
+            return tracer.state()
+        except Exception as exc:
+            self.errors.record("tracing", exc)
+            return None
 
     def _kv_events_state(self) -> KvEventsState | None:
         source = self.kv_events
@@ -796,6 +868,9 @@ class GuardSession:
     def close(self) -> None:
         if self.idle_waker is not None:
             self.idle_waker.close()
+        if self.tracer is not None:
+            with self.contain("tracing"):
+                self.tracer.close()
         self.publisher.close()
 
 

@@ -69,6 +69,39 @@ class CostState(BaseModel):
                                "kvguard's hooks, or the engine side has no metered hooks.")
 
 
+class TracingState(BaseModel):
+    """kvguard's spans in the requests' traces (:mod:`kvguard.tracing`): present when an
+    OTLP endpoint is configured. Counters are since the engine started; spans queued are
+    exported, failed, or still waiting (``spans_exported_total + export_failures_total <=
+    spans_queued_total``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    endpoint: str | None = Field(default=None, description="Where spans go (OTLP).")
+    protocol: str | None = Field(default=None, description="grpc or http/protobuf.")
+    service_name: str = Field(description="The spans' service.name.")
+    traced_requests: int = Field(
+        default=0, description="Requests whose trace context kvguard keeps now (sampled "
+                               "traceparent at admission, not yet released).")
+    contexts_evicted_total: int = Field(
+        default=0, description="Contexts dropped because the bounded map was full.")
+    leak_spans_total: int = Field(default=0, description="kvguard.leak spans queued.")
+    transfer_spans_total: int = Field(default=0, description="kvguard.kv_transfer spans "
+                                                             "queued.")
+    hazard_spans_total: int = Field(default=0, description="kvguard.kv_transfer_hazard spans "
+                                                           "queued.")
+    queue_capacity: int = Field(default=0, description="Spans the export queue holds at most.")
+    spans_queued_total: int = 0
+    spans_dropped_total: int = Field(
+        default=0, description="Spans dropped at the engine thread: the export queue was "
+                               "full (the engine never waits for export).")
+    spans_exported_total: int = Field(default=0, description="Spans the backend took.")
+    export_failures_total: int = Field(
+        default=0, description="Spans in export calls that failed (backend down, refused).")
+    errors_total: int = Field(default=0, description="Failures inside kvguard's tracing, "
+                                                     "contained.")
+
+
 class EngineState(BaseModel):
     """One engine's state as published: written by the engine, read by readers."""
 
@@ -121,6 +154,9 @@ class EngineState(BaseModel):
     kv_events: KvEventsState | None = Field(
         default=None, description="The engine's KV-event stream and its pool's hashed blocks "
                                   "(the KV-event mirror check); None when it publishes none.")
+    tracing: TracingState | None = Field(
+        default=None, description="kvguard's spans in the requests' traces; None when no "
+                                  "OTLP endpoint is configured.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

@@ -26,7 +26,9 @@ series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: never re
 drained checkpoint, for the KV-event mirror check). 9: ``transfers.worker_ranks`` (what
 kvguard's worker half in each worker process reported: per-rank lease lapses, late reads,
 finished transfers, drops, errors); ``transfers.hold_source`` names where the leases came
-from (a worker process, or EngineCore). Built as 7, released after 8."""
+from (a worker process, or EngineCore), built as 7 and released after 8; and ``tracing``
+(kvguard's spans in the requests' traces: where they go, what was queued, dropped,
+exported or failed)."""
 
 
 class OnlineState(BaseModel):

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import MARK, RoundBudget, kvguard_hooks, reply, save
+from harness import MARK, RoundBudget, kvguard_hooks, reply, save
 
 ROUNDS_MIN, ROUNDS_MAX = 4, 12
 SECONDS = 60.0

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RoundBudget, save, stats
+from harness import RoundBudget, save, stats
 
 CONCURRENCY = 64
 ROUNDS = int(os.environ.get("KVGUARD_BENCH_ROUNDS", "40"))

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from common import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
+from harness import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 VENVS: Final = {"0.32": ROOT / ".venv", "0.33": ROOT / ".venv-vllm033"}

@@ -48,16 +48,8 @@ work's (with / pass-through). Then, in the first process, ``SELF_TIME_ROUNDS`` r
 a clock at every boundary between kvguard and the engine: kvguard's own time per hook and
 per session method, per step: where the ratio comes from.
 
-``bench_step_mix.py seam`` (not in the default run; result ``step_mix_seam.json``): the
-what-if of the lifecycle-only seam, :func:`lifecycle_seam` run as a third way in each
-round of the same-engine measurement (kvguard as it ships, that seam, the engine alone):
-what a redesign that reads ownership only from vLLM's block tables would save.
-``bench_step_mix.py groups`` (not in the default run; result ``step_mix_groups.json``): the
-same engine with kvguard whole, each group of its hooks alone, and none: where the cost
-lives, with no clock in kvguard's code. ``bench_step_mix.py batched`` (not in the default
-run; result ``step_mix_batched.json``): the same as ``seam`` with :func:`batched_seam`,
-allocations and prefix hits read once per step from the batch vLLM builds
-(``SchedulerOutput``) instead of from the pool.
+The what-if studies once run from here (``seam``, ``groups``, ``batched``) are results now
+(``bench/results/what_if.md``, with the commit that measured them).
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from common import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
+from harness import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
 PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "2"))
 """Process pairs: each process carries a bias of its own (memory layout, thread placement;
@@ -147,30 +139,6 @@ MODES: Final = ("on", "bare", "off")
 """How a toggle round runs: kvguard's hooks (``on``), the engine's own methods (``off``),
 or a :func:`passthrough` wrapper on each method kvguard hooks (``bare``); a round with all
 three runs them in this order, then reversed."""
-SEAM_MODES: Final = ("on", "seam", "off")
-"""The what-if measurement (``bench_step_mix.py seam``): kvguard's hooks, the lifecycle-only
-seam (:func:`lifecycle_seam`), and the engine's own methods, in turn."""
-
-
-BATCHED_MODES: Final = ("on", "batched", "off")
-"""The other what-if (``bench_step_mix.py batched``): kvguard's hooks, allocations read from
-each step's ``SchedulerOutput`` (:func:`batched_seam`), and the engine's own methods."""
-
-
-GROUP_MODES: Final = ("on", "life", "pool", "stepend", "off")
-"""Where the cost lives, measured with no clock in kvguard (``bench_step_mix.py groups``):
-kvguard whole, then each group of its hooks alone (:data:`HOOK_GROUPS`), then none."""
-HOOK_GROUPS: Final = {
-    "life": ("add_request", "_preempt_request", "_free_request", "_free_request_blocks",
-             "_free_blocks", "finish_requests", "remove_skipped_blocks"),
-    "pool": ("get_new_blocks", "touch", "free_blocks", "unpin_blocks"),
-    "stepend": ("schedule", "update_from_output"),
-}
-"""kvguard's hooks by what they do: the request lifecycle (admissions, preemptions,
-finishes, frees: the claims run here), the block pool's events, and the step end (the
-drained checkpoints, the online audit and publishing run there)."""
-
-
 def passthrough(orig: Any) -> Any:
     """A wrapper of a kvguard hook's shape (a Python frame around the engine's call; a
     hook's ``try`` costs nothing on CPython 3.11 unless it raises) that does no work: with
@@ -179,87 +147,6 @@ def passthrough(orig: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return orig(*args, **kwargs)
     return wrapper
-
-
-def lifecycle_seam(hooks: list[tuple[Any, str, Any]], ledger: Any) -> None:
-    """With kvguard's hooks in place, take out its block-pool hooks and release each
-    request's references at its free (``_free_request_blocks``) from its ledger record:
-    ownership read only from vLLM's block tables at the lifecycle events (the claims
-    kvguard makes there already), the seam earlier notes proposed to cut target 8's cost.
-
-    What-if only: it would lose what the pool hooks see (an allocation no table ever
-    holds, a free of a block with no reference: orphans and double frees named on their
-    path), so its cost is a lower bound for that design. A preemption frees through
-    ``_free_request_blocks`` too (vLLM 0.32), so its references are released there. The
-    drained verdicts of its rounds must still be clean or saturated (the driver reports
-    them)."""
-    from kvguard.vllm_plugin.hooks import POOL_HOOKS
-
-    for obj, name, _ in hooks:
-        if name in POOL_HOOKS:
-            obj.__dict__.pop(name, None)
-    for obj, name, hook in hooks:
-        if name != "_free_request_blocks":
-            continue
-
-        def release_at_free(request: Any, *a: Any, _hook: Any = hook, **k: Any) -> Any:
-            try:
-                return _hook(request, *a, **k)
-            finally:
-                rec = ledger.record(request.request_id)
-                if rec is not None and rec.blocks:
-                    ledger.on_blocks_released(
-                        request.request_id,
-                        [b for b, n in rec.blocks.items() for _ in range(n)])
-        setattr(obj, name, release_at_free)
-
-
-def batched_seam(hooks: list[tuple[Any, str, Any]], guard: Any) -> None:
-    """With kvguard's hooks in place, read allocations and prefix hits from the batch vLLM
-    already builds per step instead of from the pool: take out the ``get_new_blocks`` and
-    ``touch`` hooks and the claims at finish and preemption, and after each ``schedule``
-    give every scheduled request the block ids its ``SchedulerOutput`` lists as new for it
-    (a new or resumed request: all of its blocks, prefix hits included; a running one: the
-    blocks appended this step), already named, in one pass. Frees stay on the pool hooks
-    (double frees are still seen where they happen), the lifecycle hooks and the drained
-    audit's claims stay as they ship.
-
-    What-if only, for FCFS scheduling: a block allocated and freed inside one ``schedule``
-    call (priority scheduling can preempt a request it scheduled earlier in the same call)
-    would read as a double free, and an allocation no batch lists (a P/D decode request
-    waiting for its remote KV) would be missed; a design on this seam would have to cover
-    both. The drained verdicts of its rounds must still be clean or saturated."""
-    from kvguard.core.types import AcquireKind
-
-    ledger = guard.ledger
-    kind = AcquireKind.ALLOCATE
-    for obj, name, _ in hooks:
-        if name in ("get_new_blocks", "touch"):
-            obj.__dict__.pop(name, None)
-    guard.claim = lambda request_id: None  # the instance's: the session's own comes back
-
-    for obj, name, hook in hooks:
-        if name != "schedule":
-            continue
-
-        def schedule(*a: Any, _hook: Any = hook, **k: Any) -> Any:
-            out = _hook(*a, **k)
-            try:
-                acquire = ledger.on_blocks_acquired
-                for new in out.scheduled_new_reqs:
-                    for ids in new.block_ids:
-                        if ids:
-                            acquire(new.req_id, ids, kind)
-                cached = out.scheduled_cached_reqs
-                for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
-                    if groups is not None:
-                        for ids in groups:
-                            if ids:
-                                acquire(rid, ids, kind)
-            except Exception as exc:
-                guard.errors.record("schedule_batch", exc)
-            return out
-        setattr(obj, name, schedule)
 
 
 def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
@@ -402,8 +289,8 @@ def worker(enabled: str) -> None:
 def toggle_worker(modes: tuple[str, ...]) -> None:
     """One engine with kvguard; each round runs with its hooks in place, taken out (the
     engine's own methods back), replaced by :func:`passthrough` wrappers, or as the
-    lifecycle-only seam (:func:`lifecycle_seam`), as the driver asks: ``run SEED
-    on|off|bare|seam`` (one of ``modes``, each warmed up first). The same engine, process
+    as the driver asks: ``run SEED on|off|bare`` (one of ``modes``, each warmed up
+    first). The same engine, process
     and memory on every side, so the ratios carry no process or engine bias.
     ``selftime ROUNDS``: kvguard's own time per hook, from clocks at every hook boundary."""
     h, sched = _build_engine_on()
@@ -416,23 +303,11 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         return dict(collections.Counter(r.verdict.value for r in h.guard.reports))
 
     def set_mode(mode: str) -> None:
-        h.guard.__dict__.pop("claim", None)  # the session's own claims (batched takes them)
-        set_hooks(hooks, mode in ("on", "seam", "batched"))  # schedule, update_from_output
+        set_hooks(hooks, mode == "on")
         if mode == "bare":
             for obj, name, _ in hooks:
                 setattr(obj, name, passthrough(getattr(type(obj), name).__get__(obj)))
-        if mode == "seam":
-            lifecycle_seam(hooks, h.guard.ledger)
-        if mode == "batched":
-            batched_seam(hooks, h.guard)
-        if mode in HOOK_GROUPS:  # one group alone (a fresh ledger each round: see below)
-            set_hooks([x for x in hooks if x[1] in HOOK_GROUPS[mode]], True)
         timed(sched, samples, tags, h.guard if mode not in ("off", "bare") else None)
-
-    partial = any(m in HOOK_GROUPS for m in modes)
-    """A group alone leaves the ledger short of the others' events: every round then starts
-    from a fresh ledger (the pool is drained and its prefix cache reset, so a fresh ledger
-    is the true one), in every mode alike."""
 
     for mode in modes:
         set_mode(mode)
@@ -459,10 +334,6 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         # Both modes run each seed from the same pool state: an empty prefix cache (else
         # the second run of a seed would hit the blocks the first one cached).
         h.engine.reset_prefix_cache()
-        if partial:
-            h.guard.ledger.reset()
-            if h.guard.online is not None:
-                h.guard.online.restart()  # its suspects refer to the old records
         before = {k: h.vllm_metric(k) for k in COUNTERS}
         run_round(h, int(words[1]))
         reply({"us": [x / 1000 for x in samples],
@@ -573,7 +444,7 @@ def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
 
 
 def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
-                   floor: bool = False, seam: bool = False, batched: bool = False,
+                   floor: bool = False,
                    processes: int = TOGGLE_PROCESSES,
                    seconds: float = TOGGLE_SECONDS,
                    seconds_env: str = "KVGUARD_BENCH_MIX_TOGGLE_SECONDS") -> dict[str, Any]:
@@ -582,20 +453,11 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     of wall time (:class:`RoundBudget`); then kvguard's own time per hook in the first one
     (``self_time``), and what its drained audits said in each. ``floor``: each round also
     runs with :func:`passthrough` wrappers (ABC, CBA), which splits the ratio into the
-    interception's (bare / off) and kvguard's work's (on / bare). ``seam`` (instead):
-    each round also runs the lifecycle-only seam (:func:`lifecycle_seam`); reported: its
-    ratio to the engine alone and, per round, to kvguard as it ships (what the seam
-    would save). ``batched`` (instead): the same with allocations read from each step's
-    batch (:func:`batched_seam`), reported under that name. Only kvguard's own hooks are
-    clocked (``self_time``), where the time of the pool hooks the seam takes out shows."""
-    what_if = "seam" if seam else "batched" if batched else None
-    modes = (MODES if floor else SEAM_MODES if seam else BATCHED_MODES if batched
-             else ("on", "off"))
+    interception's (bare / off) and kvguard's work's (on / bare)."""
+    modes = MODES if floor else ("on", "off")
     per_round: list[float] = []
     per_round_bare: list[float] = []
     per_round_work: list[float] = []
-    per_round_seam: list[float] = []
-    per_round_saved: list[float] = []
     per_process: list[float] = []
     us: dict[str, list[float]] = {m: [] for m in modes}
     mismatched = 0
@@ -629,9 +491,6 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                 if floor:
                     per_round_bare.append(mean_of["bare"] / mean_of["off"])
                     per_round_work.append(mean_of["on"] / mean_of["bare"])
-                if what_if:
-                    per_round_seam.append(mean_of[what_if] / mean_of["off"])
-                    per_round_saved.append(mean_of[what_if] / mean_of["on"])
             per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
             for k in us:
                 us[k] += mine[k]
@@ -663,65 +522,7 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                         "work_mean_ratio": work_mean, "work_interval_half": work_half,
                         "per_round_bare_ratio": per_round_bare,
                         "per_round_work_ratio": per_round_work, "bare_us": stats(us["bare"])}
-    if what_if:
-        seam_mean, seam_half = t_interval(per_round_seam)
-        vs_mean, vs_half = t_interval(per_round_saved)
-        out[what_if] = {"mean_ratio": seam_mean, "interval_half": seam_half,
-                        "per_round_ratio": per_round_seam, "us": stats(us[what_if]),
-                        "vs_shipped_mean_ratio": vs_mean, "vs_shipped_interval_half": vs_half,
-                        "per_round_vs_shipped_ratio": per_round_saved}
     return out
-
-
-def measure_groups(env: dict[str, str], tmp: Path, *,
-                   processes: int = TOGGLE_PROCESSES) -> dict[str, Any]:
-    """kvguard's cost split by hook group with no clock in its code: one engine per process,
-    each round run with kvguard whole, each group of :data:`HOOK_GROUPS` alone, and none
-    (:data:`GROUP_MODES` in turn, then reversed), ``TOGGLE_MIN_ROUNDS`` to ``TOGGLE_ROUNDS``
-    rounds within ``TOGGLE_SECONDS``. Reported per mode: the mean of the per-round ratios
-    of mean step time to the engine's alone, with its 95 % interval."""
-    ratios: dict[str, list[float]] = {m: [] for m in GROUP_MODES if m != "off"}
-    mismatched = 0
-    verdicts: collections.Counter[str] = collections.Counter()
-    double_frees = 0
-    hook_errors: collections.Counter[str] = collections.Counter()
-    for p in range(processes):
-        w = Worker(__file__, ["toggle", *GROUP_MODES], env, tmp / f"groups-{p}.log")
-        try:
-            budget = RoundBudget("KVGUARD_BENCH_MIX_TOGGLE_SECONDS", TOGGLE_SECONDS,
-                                 min_rounds=min(TOGGLE_MIN_ROUNDS, TOGGLE_ROUNDS),
-                                 max_rounds=TOGGLE_ROUNDS, step=2)
-            r = 0
-            while budget.more(r):
-                r += 1
-                seed = 700 + p * TOGGLE_ROUNDS + r
-                got: dict[str, dict[str, Any]] = {}
-                for k in (GROUP_MODES if r % 2 else GROUP_MODES[::-1]):
-                    out = w.ask(f"run {seed} {k}")
-                    assert isinstance(out, dict)
-                    got[k] = out
-                off = got["off"]
-                if any(len(g["us"]) != len(off["us"]) or g["vllm"] != off["vllm"]
-                       for g in got.values()):
-                    mismatched += 1
-                for k in ratios:
-                    ratios[k].append(statistics.fmean(got[k]["us"])
-                                     / statistics.fmean(off["us"]))
-            out = w.ask("verdicts")
-            assert isinstance(out, dict)
-            verdicts.update(out["verdicts"])
-            double_frees += out["double_frees"]
-            hook_errors.update(out["hook_errors"])
-        finally:
-            w.close()
-    modes = {}
-    for k, xs in ratios.items():
-        mean, half = t_interval(xs)
-        modes[k] = {"mean_ratio": mean, "interval_half": half, "per_round_ratio": xs}
-    return {"modes": modes, "groups": {k: list(v) for k, v in HOOK_GROUPS.items()},
-            "rounds": len(ratios["on"]), "processes": processes,
-            "rounds_mismatched": mismatched, "verdicts": dict(verdicts),
-            "double_frees": double_frees, "hook_errors": dict(hook_errors)}
 
 
 def main() -> None:
@@ -831,17 +632,6 @@ def _alone() -> tuple[dict[str, str], Path]:
             Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")))
 
 
-def _what_if(key: str, words: str, result: dict[str, Any]) -> None:
-    """Save a what-if's result as ``step_mix_<key>`` and say it in a line."""
-    save(f"step_mix_{key}", result)
-    w = result[key]
-    print(f"kvguard {result['mean_ratio']:.4f} +- {result['interval_half']:.4f}, {words} "
-          f"{w['mean_ratio']:.4f} +- {w['interval_half']:.4f} (against kvguard "
-          f"{w['vs_shipped_mean_ratio']:.4f} +- {w['vs_shipped_interval_half']:.4f}) over "
-          f"{result['rounds']} rounds; verdicts {result['verdicts']}", flush=True)
-    os._exit(0)
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker" and sys.argv[2] == "toggle":
         toggle_worker(tuple(sys.argv[3:]) or MODES)
@@ -849,16 +639,5 @@ if __name__ == "__main__":
         worker(sys.argv[2])
     elif sys.argv[1:] == ["toggle"]:  # the same-engine measurement alone (minutes, not tens)
         print(json.dumps(measure_toggle(*_alone(), floor=True), indent=1))
-    elif sys.argv[1:] == ["seam"]:  # the what-if of the lifecycle-only seam (minutes)
-        _what_if("seam", "lifecycle-only seam", measure_toggle(*_alone(), seam=True))
-    elif sys.argv[1:] == ["groups"]:  # the cost by hook group, no clock in kvguard (minutes)
-        result = measure_groups(*_alone())
-        save("step_mix_groups", result)
-        print("; ".join(f"{k} {v['mean_ratio']:.4f} +- {v['interval_half']:.4f}"
-                        for k, v in result["modes"].items())
-              + f" over {result['rounds']} rounds; verdicts {result['verdicts']}", flush=True)
-        os._exit(0)
-    elif sys.argv[1:] == ["batched"]:  # the what-if of allocations read per step (minutes)
-        _what_if("batched", "batched", measure_toggle(*_alone(), batched=True))
     else:
         main()

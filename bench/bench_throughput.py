@@ -79,7 +79,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from common import Worker, kvguard_hooks, reply, save, set_hooks, t_interval
+from harness import Worker, kvguard_hooks, reply, save, set_hooks, t_interval
 
 REQUESTS = 128
 PREFIX_TOKENS = 64

@@ -1,8 +1,10 @@
-"""Shared helpers for the benchmarks: statistics, machine facts, result files."""
+"""The benchmarks' shared harness: statistics, intervals and verdicts (computed here and
+nowhere else), machine facts, result files, worker processes, kvguard's hooks in and out."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -171,3 +173,103 @@ def t_interval(samples: list[float]) -> tuple[float, float]:
     if n < 2:
         return mean, float("inf")
     return mean, t975(n - 1) * statistics.stdev(samples) / n ** 0.5
+
+
+# -- intervals and verdicts: every table's verdict is computed by these -------------
+
+def ok(flag: bool) -> str:
+    return "**pass**" if flag else "**miss**"
+
+
+def never_waited(row: dict) -> bool:  # type: ignore[type-arg]
+    """Target 5's verdict from its numbers: with the slow writer (each write 50 ms), no
+    offer took a tenth of a write (one wait would show in the slowest offer); with the
+    fast one, whose writes take about a millisecond, 90 % of offers stay under 100 us."""
+    o, delay = row["offer_us"], row["writer_delay_s"]
+    if delay:
+        return bool(o["max"] < delay * 1e6 / 10)
+    return bool(o["p90"] < 100.0)
+
+
+def throughput_verdict(row: dict[str, Any], target: float, target_half: float) -> str:
+    """Target 7's verdict for one mode: with the interval at the target's width, the mean
+    against 0.99x; with a wider one, pass or miss only where the whole interval lies on
+    one side of 0.99x, else not resolved, with the pairs that the target's width would
+    need at the spread these pairs had (``(1.96 sd / width)^2``)."""
+    mean, half = row["mean_ratio"], row["ci95_half_width"]
+    if half <= target_half:
+        return ok(mean >= target)
+    if mean - half >= target:
+        return "**pass**"
+    if mean + half < target:
+        return f"**miss** (interval +-{100 * half:.1f} %)"
+    ratios = row.get("ratios") or []
+    need = ""
+    if len(row.get("process_means") or []) > 1:
+        sd = statistics.stdev(row["process_means"])
+        n = max(math.ceil((1.96 * sd / target_half) ** 2), len(row["process_means"]) + 1)
+        need = (f"; +-{100 * target_half:.1f} % needs about {n} processes at this spread "
+                f"(sd {100 * sd:.2f} % between processes)")
+    elif len(ratios) > 1:
+        pairs = math.ceil((1.96 * statistics.stdev(ratios) / target_half) ** 2)
+        need = (f"; +-{100 * target_half:.1f} % needs about {pairs:,} pairs at this "
+                f"spread (sd {100 * statistics.stdev(ratios):.1f} % per pair)")
+    return f"**not resolved** (interval +-{100 * half:.1f} %{need})"
+
+
+def median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95 % interval of the median of ``xs``: the order statistics
+    ``x(k)`` and ``x(n+1-k)`` with ``k`` the largest rank for which a Binomial(n, 1/2) falls
+    below ``k`` with probability at most 2.5 % (so the interval covers the true median
+    with at least 95 %). With 5 samples or fewer no two of them cover 95 %: the whole
+    range is returned."""
+    ys = sorted(xs)
+    n = len(ys)
+    below, k = 0.0, 0
+    while True:  # P(B < k+1) = P(B <= k)
+        below += math.comb(n, k) / 2 ** n
+        if below > 0.025:
+            break
+        k += 1
+    k = max(k, 1)  # ranks are 1-based: x(k) = ys[k - 1]
+    return ys[k - 1], ys[n - k]
+
+
+def median_verdict(xs: list[float], target: float) -> str:
+    """Target 1's verdict: the per-round median against the target, judged by its 95 %
+    interval (:func:`median_interval`): pass or miss only where the whole interval lies on
+    one side, else not resolved (a 40-round median scatters by about +-1 % here)."""
+    lo, hi = median_interval(xs)
+    if hi <= target:
+        return "**pass**"
+    if lo > target:
+        return "**miss**"
+    return f"**not resolved** (the median's 95 % interval {lo:.3f}-{hi:.3f})"
+
+
+def against(mean: float, half: float, target: float) -> str | None:
+    """Where a mean with its 95 % half-width lies against an upper target: "within" (the
+    interval's upper end is), "beyond" (its lower end is past it), or None (not resolved)."""
+    return "within" if mean + half <= target else "beyond" if mean - half > target else None
+
+
+def interval_verdict(mean: float, half: float, target: float) -> str:
+    """The verdict of a target judged by its interval: pass, miss, or not resolved."""
+    side = against(mean, half, target)
+    return ("**pass**" if side == "within" else "**miss**" if side == "beyond"
+            else f"**not resolved** (interval +-{100 * half:.1f} %)")
+
+
+def verdicts(t: dict[str, Any]) -> dict[str, int]:
+    """What kvguard's drained audits said in a toggle measurement (older results: only
+    the self-time process's)."""
+    v = t.get("verdicts") or t.get("self_time", {}).get("verdicts", {})
+    return dict(v)
+
+
+def kept_true(t: dict[str, Any]) -> bool:
+    """Whether a what-if's rounds kept kvguard's records true and compared like with like:
+    every drained audit clean or saturated, no release of a block the ledger did not hold,
+    no hook failure, and the same work (steps, vLLM's counters) every way."""
+    return (set(verdicts(t)) <= {"clean", "saturated"} and not t["rounds_mismatched"]
+            and not t["double_frees"] and not t["hook_errors"])

@@ -288,3 +288,13 @@ def test_benchmarks_md_is_rendered_from_the_committed_results() -> None:
     assert (BENCH / "results" / "what_if.md").read_text() == whatif.render()
     table = [line for line in text.splitlines() if line.startswith("| ")]
     assert table and all(len(cell) <= 120 for line in table for cell in line.split("|"))
+
+
+def test_the_demos_end_to_end_figure_is_the_benchmarks() -> None:
+    # ``kvguard demo`` quotes the end-to-end cost at the defaults: it must be what target
+    # 7's committed interleaved rows measure, to the two places the demo prints.
+    from kvguard.demo.run import END_TO_END_AT_DEFAULTS
+
+    rows = [r for r in report.load("throughput")["rows"]
+            if r["mode"] in ("interleaved-sync", "interleaved-async")]
+    assert rows and all(round(r["mean_ratio"], 2) == END_TO_END_AT_DEFAULTS for r in rows)

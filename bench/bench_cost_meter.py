@@ -54,8 +54,8 @@ def direct_worker(scheduling: str) -> None:
     of the end-to-end cost (target 7's interleaved runs measure the whole of it)."""
     import bench_throughput as tput
 
-    from kvguard.demo.engine import scheduler_of
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.engine import scheduler_of
+    from kvguard.testing.tiny_model import make_tiny_model
     from kvguard.vllm_plugin.guard import guard_of
 
     llm = tput._warm_llm(scheduling, str(make_tiny_model(Path(tempfile.mkdtemp()))))

@@ -95,7 +95,7 @@ def worker() -> None:
     import vllm
     from _sched import Sched, build_scheduler
 
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.tiny_model import make_tiny_model
 
     model = make_tiny_model(Path(tempfile.mkdtemp(prefix="kvguard-bench-versions-")))
     s: Any = Sched(build_scheduler(model, num_blocks=POOL_BLOCKS, max_num_seqs=MAX_NUM_SEQS))

@@ -216,8 +216,8 @@ def run_round(h: Any, seed: int) -> None:
 def _spec() -> Any:
     """The engine both sides run: the tiny Llama, a 160-block pool, a draft model."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from kvguard.demo.engine import EngineSpec
-    from kvguard.demo.tiny_model import make_draft_model, make_tiny_model
+    from kvguard.testing.engine import EngineSpec
+    from kvguard.testing.tiny_model import make_draft_model, make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
     os.environ["KVGUARD_RUN_DIR"] = str(tmp / "run")
@@ -240,7 +240,7 @@ def worker(enabled: str) -> None:
     """One side in this process: a real engine, kvguard on or off; a round per ``run SEED``,
     answered with its step times (us) and what kvguard did in each step."""
     from kvguard.chaos.harness import EngineHarness
-    from kvguard.demo.engine import build_engine, scheduler_of
+    from kvguard.testing.engine import build_engine, scheduler_of
 
     h: Any
     guard = None

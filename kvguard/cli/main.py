@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvguard.config import KvguardConfig
-from kvguard.demo.scheduling import Scheduling
 from kvguard.errors import KvguardError
+from kvguard.testing.scheduling import Scheduling
 from kvguard.transport.reader import read_run_dir
 
 

@@ -25,9 +25,9 @@ from kvguard.cli.render import render_state
 from kvguard.config import KvguardConfig
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
-from kvguard.demo.engine import EngineSpec, ServerProcess
-from kvguard.demo.tiny_model import make_tiny_model
-from kvguard.demo.workload import cancel_mid_stream, run_workload
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.tiny_model import make_tiny_model
+from kvguard.testing.workload import cancel_mid_stream, run_workload
 from kvguard.transport.reader import read_run_dir
 from kvguard.transport.state import EngineState
 

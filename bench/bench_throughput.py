@@ -41,15 +41,9 @@ both sides at the same moments:
 - ``server``: two real OpenAI servers on 127.0.0.1, one with kvguard and one with
   ``KVGUARD_ENABLED=0``, driven by the official ``openai`` client (``AsyncOpenAI``, 128
   concurrent completions), one repetition each in turn.
-- ``inproc-sync`` / ``inproc-async`` (two worker processes running ``LLM.generate``, one
-  with kvguard and one without) and ``same-engine-sync`` / ``-async`` (one engine, its
-  hooks taken out for every other repetition), one repetition each in turn: the earlier
-  designs, kept for comparison. A process carries a bias of its own (two kvguard-off
-  processes measured 1.09x and 0.95x against each other in the step-mix benchmark), which
-  the ``inproc-*`` interval does not cover.
 
-In the modes that alternate whole repetitions, the order alternates per pair (ABBA) and
-the per-pair throughput ratio (on / off) is the sample. Pairs are added until the 95 %
+The server mode alternates whole repetitions, the order alternating per pair (ABBA); the
+per-pair throughput ratio (on / off) is its sample. Pairs are added until the 95 %
 interval of the mean ratio is within +-0.5 % (``interleaved-*``: each process, past 10
 pairs) or the mode's time budget (``KVGUARD_BENCH_THROUGHPUT_SECONDS``, default 90 s per
 mode) is spent; the interval reached is reported either way. Target: mean >= 0.99.
@@ -59,11 +53,9 @@ mode) is spent; the interval reached is reported either way. Target: mean >= 0.9
 run); ``KVGUARD_BENCH_THROUGHPUT_MODES`` names others. The server's two sides are two
 processes measured one after the other, so its interval stays about as wide as this VM's
 noise (+-30 % at 80 s); kvguard runs in its engine core, which the interleaved modes
-measure. A longer run of any mode goes to its own result file:
-``KVGUARD_BENCH_THROUGHPUT_RESULT=throughput_long KVGUARD_BENCH_THROUGHPUT_SECONDS=1200
-KVGUARD_BENCH_THROUGHPUT_MODES=same-engine-sync`` reached +-1.0 % in 146 pairs on
-2026-12-03 (6.3 % per pair), where one interleaved process reaches +-0.5 % in 10-14
-pairs (about 1 % per pair).
+measure. The earlier designs (``inproc-*``: two processes; ``same-engine-*``: one
+engine's hooks in and out per repetition; their long run, ``throughput_long``) are
+results now (``bench/results/what_if.md``, with the commit that measured them).
 """
 
 from __future__ import annotations
@@ -102,15 +94,12 @@ target 5)."""
 MAX_PAIRS = 400
 RESULT = os.environ.get("KVGUARD_BENCH_THROUGHPUT_RESULT", "throughput")
 """The result file's name (``bench/results/RESULT.json``): ``throughput`` for the run of
-``./scripts/bench``; ``throughput_long`` for the long run of one mode (20 minutes, more
-than the whole benchmark run may take), which narrows the interval as far as this VM's
-noise allows."""
+``./scripts/bench``; another name for a longer or repeated run of some modes."""
 TARGET_HALF_WIDTH = 0.005
 CONTROL_BURN_US = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_BURN_US", "70"))
 """The ``interleaved-control-*`` modes' known cost: a busy wait of this many microseconds
 after every step of the treated engine (about 2 % of a step of this workload here)."""
-MODES = ("inproc-sync", "inproc-async", "same-engine-sync", "same-engine-async",
-         "interleaved-sync", "interleaved-async", "interleaved-control-sync",
+MODES = ("interleaved-sync", "interleaved-async", "interleaved-control-sync",
          "interleaved-control-async", "server")
 DEFAULT_MODES = ("interleaved-control-sync", "interleaved-sync", "interleaved-async", "server")
 SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
@@ -126,7 +115,7 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def spec_for(model_dir: Path, scheduling: str) -> Any:
-    from kvguard.demo.engine import EngineSpec
+    from kvguard.testing.engine import EngineSpec
 
     return EngineSpec(model_dir=model_dir, num_gpu_blocks_override=POOL_BLOCKS,
                       max_model_len=512, max_num_seqs=MAX_SEQS, max_num_batched_tokens=4096,
@@ -139,8 +128,8 @@ def _warm_llm(scheduling: str, model_dir: str) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    from kvguard.demo.scheduling import Scheduling, requesting_async
-    from kvguard.demo.warmup import warm_up_engine
+    from kvguard.testing.scheduling import Scheduling, requesting_async
+    from kvguard.testing.warmup import warm_up_engine
 
     kwargs = spec_for(Path(model_dir), scheduling).engine_kwargs()
     kwargs.pop("async_scheduling", None)
@@ -151,46 +140,6 @@ def _warm_llm(scheduling: str, model_dir: str) -> Any:
         llm = LLM(**kwargs)
     warm_up_engine(llm.llm_engine)
     return llm
-
-
-def _repetition(llm: Any, seed: int) -> dict[str, float]:
-    """One repetition of the workload: its wall time (s) and output tokens."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
-    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed)]
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    return {"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-
-
-def worker(scheduling: str, model_dir: str) -> None:
-    """One side: an ``LLM`` in this process; one repetition per ``run SEED`` on stdin."""
-    llm = _warm_llm(scheduling, model_dir)
-    reply("ready")
-    for line in sys.stdin:
-        reply(_repetition(llm, int(line.split()[1])))
-    os._exit(0)
-
-
-def toggle_worker(scheduling: str, model_dir: str) -> None:
-    """One ``LLM`` with kvguard; each ``run SEED on|off`` runs a repetition with its hooks
-    in place or taken out."""
-    from kvguard.demo.engine import scheduler_of
-
-    llm = _warm_llm(scheduling, model_dir)
-    hooks = kvguard_hooks(scheduler_of(llm.llm_engine))
-    if not hooks:
-        raise RuntimeError("kvguard's hooks are not installed on this engine")
-    reply("ready")
-    for line in sys.stdin:
-        _, seed, mode = line.split()
-        set_hooks(hooks, mode == "on")
-        llm.reset_prefix_cache()  # neither side hits the blocks the other cached
-        reply(_repetition(llm, int(seed)))
-    os._exit(0)
 
 
 def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: int, *,
@@ -259,7 +208,7 @@ def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: in
 def interleave_worker(scheduling: str, model_dir: str) -> None:
     """Two ``LLM``s with kvguard in this process; each ``run SEED ON HOOKED BURN_US`` runs
     one repetition on both, stepped in turn, the treatment on engine ON (0 or 1) only."""
-    from kvguard.demo.engine import scheduler_of
+    from kvguard.testing.engine import scheduler_of
 
     llms = [_warm_llm(scheduling, model_dir) for _ in range(2)]
     hooks = [kvguard_hooks(scheduler_of(llm.llm_engine)) for llm in llms]
@@ -456,56 +405,13 @@ def _print_interleaved(row: dict[str, Any]) -> None:
         print(f"{row['mode']}: {one(row)}", flush=True)
 
 
-class SameEngine:
-    """Both sides of a ``same-engine-*`` mode: one worker, kvguard's hooks in or out."""
-
-    def __init__(self, mode: str, model_dir: Path, log: Path) -> None:
-        self.worker = Worker(__file__, ["toggle", mode.removeprefix("same-engine-"),
-                                        str(model_dir)],
-                             {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
-                              "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}")}, log)
-
-    def side(self, enabled: bool) -> Any:
-        return _ToggledSide(self.worker, enabled)
-
-
-class _ToggledSide:
-    def __init__(self, worker: Worker, enabled: bool) -> None:
-        self.worker, self.enabled = worker, enabled
-
-    def run(self, seed: int) -> tuple[float, int]:
-        out = self.worker.ask(f"run {seed} {'on' if self.enabled else 'off'}")
-        assert isinstance(out, dict)
-        return float(out["seconds"]), int(out["tokens"])
-
-    def close(self) -> None:
-        if self.enabled:
-            self.worker.close()
-
-
-class InProcessSide:
-    def __init__(self, mode: str, model_dir: Path, enabled: bool, log: Path) -> None:
-        self.worker = Worker(__file__, [mode.removeprefix("inproc-"), str(model_dir)],
-                             {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
-                              "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}-{int(enabled)}")},
-                             log)
-
-    def run(self, seed: int) -> tuple[float, int]:
-        out = self.worker.ask(f"run {seed}")
-        assert isinstance(out, dict)
-        return float(out["seconds"]), int(out["tokens"])
-
-    def close(self) -> None:
-        self.worker.close()
-
-
 # ------------------------------------------------------------------ server side
 class ServerSide:
     def __init__(self, model_dir: Path, enabled: bool, log: Path) -> None:
         import httpx2  # the HTTP client of openai 3.x
         from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-        from kvguard.demo.engine import ServerProcess
+        from kvguard.testing.engine import ServerProcess
 
         env = {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
                "KVGUARD_RUN_DIR": str(log.parent / f"run-server-{int(enabled)}")}
@@ -581,7 +487,7 @@ def measure(mode: str, make: Callable[[bool], Any]) -> dict[str, object]:
 
 
 def main() -> None:
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.tiny_model import make_tiny_model
 
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-tput-"))
@@ -597,14 +503,8 @@ def main() -> None:
         if mode == "server":
             rows.append(measure(mode, lambda on: ServerSide(model_dir, on,
                                                             tmp / f"server-{int(on)}.log")))
-        elif mode.startswith("interleaved-"):
-            rows.append(measure_interleaved(mode, model_dir, tmp / f"{mode}.log"))
-        elif mode.startswith("same-engine-"):
-            engine = SameEngine(mode, model_dir, tmp / f"{mode}.log")
-            rows.append(measure(mode, engine.side))
         else:
-            rows.append(measure(mode, lambda on, m=mode: InProcessSide(
-                m, model_dir, on, tmp / f"{m}-{int(on)}.log")))
+            rows.append(measure_interleaved(mode, model_dir, tmp / f"{mode}.log"))
     save(RESULT, {"rows": rows, "target_mean_ratio": 0.99,
                   "target_ci95_half_width": TARGET_HALF_WIDTH,
                   "workload": {"requests": REQUESTS, "prefix_tokens": PREFIX_TOKENS,
@@ -615,11 +515,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "toggle"]:
-        toggle_worker(sys.argv[3], sys.argv[4])
-    elif len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "interleave"]:
+    if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "interleave"]:
         interleave_worker(sys.argv[3], sys.argv[4])
-    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(sys.argv[2], sys.argv[3])
     else:
         main()

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any, Final
 
-from harness import against, kept_true, verdicts
+from harness import against, kept_true, t_interval, verdicts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -193,12 +193,36 @@ def summaries() -> list[str]:
             figure = (f"{w['mean_ratio']:.3f}x +- {w['interval_half']:.3f} against "
                       f"{d['mean_ratio']:.3f}x as shipped")
         out.append(f"{question}: {figure} ({d['machine']['date'][:10]}).")
+    long = _load("throughput_long")
+    for row in long.get("rows", []):
+        out.append(f"Target 7 on one engine, kvguard's hooks in and out per repetition, a "
+                   f"{long['budget_seconds_per_mode'] / 60:.0f}-minute run: "
+                   f"{row['mean_ratio']:.3f}x +- {row['ci95_half_width']:.3f} "
+                   f"({row['pairs']} pairs, {long['machine']['date'][:10]}).")
+    out += _repeat_lines()
     ba = _load("hook_overhead_before_after")
     if ba:
         s = ba["summary"]
         out.append(f"Target 1 before and after a change of the ledger: median "
                    f"{s['before']['per_round_median']:.3f}x -> "
                    f"{s['after']['per_round_median']:.3f}x ({ba['machine']['date'][:10]}).")
+    return out
+
+
+def _repeat_lines() -> list[str]:
+    """Target 7's interleaved modes run again, one process after another: how far one
+    process's mean lies from the next, against the interval each claims from its pairs."""
+    d = _load("throughput_repeat")
+    by_mode: dict[str, list[dict[str, Any]]] = {}
+    for row in d.get("rows", []):
+        by_mode.setdefault(row["mode"], []).append(row)
+    out = []
+    for mode, rows in by_mode.items():
+        mean, half = t_interval([r["mean_ratio"] for r in rows])
+        claimed = max(r["ci95_half_width"] for r in rows)
+        out.append(f"Target 7, {mode} in {len(rows)} processes one after another: "
+                   f"{mean:.4f}x +- {half:.4f} over the processes, each claiming up to "
+                   f"+- {claimed:.4f} from its own pairs ({d['machine']['date'][:10]}).")
     return out
 
 
@@ -209,11 +233,16 @@ def render() -> str:
              "Rerun one: `git worktree add /tmp/kvguard-at COMMIT && cd /tmp/kvguard-at && "
              "COMMAND` with the commit and command it names.", ""]
     studies = [(name, fn) for name, fn, _ in STUDIES]
-    for name, fn in [*studies, ("hook_overhead_before_after", None)]:
+    for name, fn in [*studies, ("hook_overhead_before_after", None),
+                     ("throughput_long", None), ("throughput_repeat", None)]:
         d = _load(name)
         if not d:
             continue
-        rows = fn(d, 1.02) if fn else before_after_row_of(d)
+        rows = (fn(d, 1.02) if fn else before_after_row_of(d)
+                if name == "hook_overhead_before_after" else
+                [f"| 7 | {r['mode']} | **{r['mean_ratio']:.4f}x** +- "
+                 f"{r['ci95_half_width']:.4f} ({r['pairs']} pairs) | measured |"
+                 for r in d["rows"]])
         r = d.get("reproduce", {})
         lines += [f"## {name}", "", f"Measured {d['machine']['date']} by "
                   f"`{r.get('command', '?')}` at commit `{r.get('commit', '?')}`.", "",

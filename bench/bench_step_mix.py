@@ -21,19 +21,7 @@ would compare different work. Greedy costs nothing kvguard hooks: on these dummy
 weights the target accepts every draft, and a rejected draft only rolls vLLM's token
 counters back (``Scheduler.update_from_output``), it frees no block.
 
-Two real in-process engines, each in a worker process of its own (kvguard with its
-defaults, and one built with ``KVGUARD_ENABLED=0``; vLLM 0.32's CPU build cannot build a
-second engine with speculative decoding in one process, ``draft_model`` or ``ngram``),
-both alive and warm, the same timing wrapper on both, outside kvguard's hooks; rounds
-alternate the order (ABBA). A process carries a bias of its own that rounds cannot
-cancel (two kvguard-off processes measured 1.09x and 0.95x against each other), so this
-is repeated over ``PAIRS`` fresh process pairs. Reported: the mean over pairs of each
-pair's ratio of mean step times, with its 95 % interval (the criterion, target <= 1.02:
-a pass needs the interval's upper end within it, a miss its lower end beyond it), the
-pooled ratios of means and medians, the per-round ratios, and the slowest steps of each
-engine with what kvguard did in them, which is what makes a mean exceed a median.
-
-Second, the same comparison without any process or engine bias: one engine with kvguard,
+The comparison carries no process or engine bias: one engine with kvguard,
 its hooks taken out for every other round (the engine's own methods back) and put in again
 (ABBA, up to ``TOGGLE_ROUNDS`` per mode in each of ``TOGGLE_PROCESSES`` processes, as many
 as ``TOGGLE_SECONDS`` of wall time per process allows past ``TOGGLE_MIN_ROUNDS``, the prefix
@@ -48,32 +36,26 @@ work's (with / pass-through). Then, in the first process, ``SELF_TIME_ROUNDS`` r
 a clock at every boundary between kvguard and the engine: kvguard's own time per hook and
 per session method, per step: where the ratio comes from.
 
-The what-if studies once run from here (``seam``, ``groups``, ``batched``) are results now
-(``bench/results/what_if.md``, with the commit that measured them).
+The what-if studies once run from here (``seam``, ``groups``, ``batched``) and the earlier
+design of two engines in a process pair each (``step_mix_pairs``: a process carries a bias
+of its own that its rounds cannot cancel) are results now (``bench/results/what_if.md``,
+with the commit that measured them).
 """
 
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Final
 
 from harness import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
-PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "2"))
-"""Process pairs: each process carries a bias of its own (memory layout, thread placement;
-measured: 1.09x and 0.95x between two kvguard-off processes over 8 rounds), which rounds
-within one pair cannot cancel, so the criterion is the mean over pairs with its interval."""
-ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_ROUNDS", "6"))
-"""Rounds per process pair, alternating the order (ABBA)."""
 REQUESTS = 64
 GROUPS = 4
 OUTPUT_TOKENS = 96
@@ -108,30 +90,14 @@ about 1-2 s here, so a pace of 1 s would let every drain through; at 10 s, after
 burst of 4, most drains are let go and audited later (at an admission the pace allows)."""
 
 
-GC_IN_STEPS = {"ns": 0, "collections": 0, "start": 0, "in_step": 0}
-"""Garbage-collection pauses that fall inside timed steps (``gc.callbacks``): both sides
-pay them, kvguard's side for its own objects too."""
-
-
-def _on_gc(phase: str, info: dict[str, int]) -> None:
-    g = GC_IN_STEPS
-    if phase == "start":
-        g["start"] = time.perf_counter_ns()
-    elif g["in_step"]:
-        g["ns"] += time.perf_counter_ns() - g["start"]
-        g["collections"] += 1
-
-
 def _clocked(fn: Any, done: Any) -> Any:
-    """``fn`` timed: ``done(ns)`` with its time, garbage collection inside it counted."""
+    """``fn`` timed: ``done(ns)`` with its time."""
     def run(*a: Any, **k: Any) -> Any:
-        GC_IN_STEPS["in_step"] = 1
         t = time.perf_counter_ns()
         try:
             return fn(*a, **k)
         finally:
             done(time.perf_counter_ns() - t)
-            GC_IN_STEPS["in_step"] = 0
     return run
 
 
@@ -234,56 +200,6 @@ def _build_engine_on() -> tuple[Any, Any]:
 
     h = EngineHarness(_spec())
     return h, h.scheduler
-
-
-def worker(enabled: str) -> None:
-    """One side in this process: a real engine, kvguard on or off; a round per ``run SEED``,
-    answered with its step times (us) and what kvguard did in each step."""
-    from kvguard.chaos.harness import EngineHarness
-    from kvguard.testing.engine import build_engine, scheduler_of
-
-    h: Any
-    guard = None
-    if enabled == "on":
-        h, sched = _build_engine_on()
-        guard = h.guard
-    else:
-        spec = _spec()
-        os.environ["KVGUARD_ENABLED"] = "0"
-        engine = build_engine(spec)
-        sched = scheduler_of(engine)
-        assert getattr(sched, "_kvguard", None) is None
-
-        class Off:  # the same driving interface, no guard
-            _n = 0
-            add = EngineHarness.add
-            step_until = EngineHarness.step_until
-            run_to_completion = EngineHarness.run_to_completion
-            vllm_metric = EngineHarness.vllm_metric
-
-        h = Off()
-        h.engine = engine
-    samples: list[int] = []
-    tags: list[str] = []
-    timed(sched, samples, tags, guard)
-    gc.callbacks.append(_on_gc)
-    run_round(h, 0)  # warm-up
-    events0 = dict(guard.ledger.num_events) if guard else {}
-    reply("ready")
-    for line in sys.stdin:
-        if line.startswith("summary"):
-            m = h.vllm_metric
-            reply({"events": {e: n - events0.get(e, 0)
-                              for e, n in (guard.ledger.num_events.items() if guard else ())},
-                   "vllm": {k: m(k) for k in COUNTERS}})
-            continue
-        samples.clear()
-        tags.clear()
-        GC_IN_STEPS["ns"] = GC_IN_STEPS["collections"] = 0
-        run_round(h, int(line.split()[1]))
-        reply({"us": [x / 1000 for x in samples], "tags": tags,
-               "gc_us": GC_IN_STEPS["ns"] / 1000, "gc_collections": GC_IN_STEPS["collections"]})
-    os._exit(0)
 
 
 def toggle_worker(modes: tuple[str, ...]) -> None:
@@ -420,29 +336,6 @@ def self_time(h: Any, hooks: list[tuple[Any, str, Any]], rounds: int) -> dict[st
             "kvguard_us_per_step": sum(acc[1:]) / n_steps / 1000, "rows": rows}
 
 
-def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
-    """Both sides of one process pair, built at once (one per core)."""
-    sides: dict[str, Worker] = {}
-    errors: list[BaseException] = []
-
-    def start(k: str) -> None:
-        try:
-            sides[k] = Worker(__file__, [k], env, tmp / f"{k}-{pair}.log")
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(k,)) for k in ("on", "off")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for w in sides.values():
-            w.close()
-        raise errors[0]
-    return sides
-
-
 def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                    floor: bool = False,
                    processes: int = TOGGLE_PROCESSES,
@@ -526,107 +419,26 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
 
 
 def main() -> None:
-    os.environ.setdefault("VLLM_PLUGINS", "kvguard")
-    tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
-    # One hash seed for both: vLLM iterates sets of request ids, so two processes with
-    # different seeds schedule differently (measured: 25 % more steps on one side).
-    # And the request ids vLLM gives the engine without its random 8-character suffix,
-    # which would order the batches differently on the two sides.
-    same = {"PYTHONHASHSEED": "0", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}
-    us: dict[str, list[float]] = {"on": [], "off": []}
-    tags: dict[str, list[str]] = {"on": [], "off": []}
-    per_round: list[dict[str, float]] = []
-    per_pair: list[float] = []
-    gc_us: dict[str, float] = {"on": 0.0, "off": 0.0}
-    gc_n: dict[str, int] = {"on": 0, "off": 0}
-    vllm: dict[str, dict[str, float]] = {"on": {}, "off": {}}
-    events: dict[str, int] = {}
-    for pair in range(PAIRS):
-        sides = _start_pair(same, tmp, pair)
-        pair_us: dict[str, list[float]] = {"on": [], "off": []}
-        try:
-            for r in range(1, ROUNDS + 1):
-                seed = pair * ROUNDS + r
-                got: dict[str, list[float]] = {}
-                for k in (("on", "off") if seed % 2 else ("off", "on")):
-                    out = sides[k].ask(f"run {seed}")
-                    assert isinstance(out, dict)
-                    got[k] = out["us"]
-                    pair_us[k] += out["us"]
-                    gc_us[k] += out["gc_us"]
-                    gc_n[k] += out["gc_collections"]
-                    tags[k] += out["tags"]
-                per_round.append({
-                    "pair": float(pair),
-                    "mean_ratio": statistics.fmean(got["on"]) / statistics.fmean(got["off"]),
-                    "median_ratio": statistics.median(got["on"]) / statistics.median(got["off"]),
-                    "steps_on": float(len(got["on"])), "steps_off": float(len(got["off"]))})
-            for k in sides:
-                summary = sides[k].ask("summary")
-                assert isinstance(summary, dict)
-                for name, value in summary["vllm"].items():
-                    vllm[k][name] = vllm[k].get(name, 0.0) + value
-                for name, n in summary["events"].items():
-                    events[name] = events.get(name, 0) + n
-        finally:
-            for w in sides.values():
-                w.close()
-        per_pair.append(statistics.fmean(pair_us["on"]) / statistics.fmean(pair_us["off"]))
-        for k in us:
-            us[k] += pair_us[k]
-    toggle = measure_toggle(same, tmp, floor=True)
+    env, tmp = _alone()
+    toggle = measure_toggle(env, tmp, floor=True)
     # The same with the opt-in checkpoint pace: what it buys on a workload that drains
     # every round (not the defaults).
-    paced = measure_toggle(same | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
+    paced = measure_toggle(env | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
                            tmp, self_time=False, processes=PACED_PROCESSES,
                            seconds=PACED_SECONDS,
                            seconds_env="KVGUARD_BENCH_MIX_PACED_SECONDS")
-    print(f"same engine, checkpoint pace {PACED_INTERVAL} s: {paced['mean_ratio']:.4f} +- "
-          f"{paced['interval_half']:.4f}; drains let go {paced['drains_unaudited']}, "
-          f"verdicts {paced['verdicts']}")
     print(f"same engine, hooks in/out: {toggle['mean_ratio']:.4f} +- "
           f"{toggle['interval_half']:.4f} over {toggle['rounds']} rounds "
-          f"({toggle['rounds_mismatched']} with different work); kvguard's own time "
-          f"{toggle['self_time'].get('kvguard_us_per_step', 0):.1f} us per step")
-    s = {k: stats(v) for k, v in us.items()}
-    mean_ratio = s["on"]["mean"] / s["off"]["mean"]
-    median_ratio = s["on"]["median"] / s["off"]["median"]
-    # What the slowest 1 % of steps are, and how much of the total they carry.
-    tails = {}
-    for k in us:
-        order = sorted(range(len(us[k])), key=us[k].__getitem__, reverse=True)
-        top = order[: max(1, len(order) // 100)]
-        kinds: dict[str, int] = {}
-        for i in top:
-            kind = tags[k][i] or "plain"
-            kinds[kind] = kinds.get(kind, 0) + 1
-        ckpt = [us[k][i] for i, t in enumerate(tags[k]) if t == "checkpoint"]
-        tails[k] = {"slowest_1pct_share_of_time": sum(us[k][i] for i in top) / sum(us[k]),
-                    "slowest_1pct_kinds": kinds, "checkpoint_steps": len(ckpt),
-                    "checkpoint_us": stats(ckpt or [0.0]),
-                    "checkpoint_share_of_time": sum(ckpt) / sum(us[k])}
-    pair_mean, pair_half = t_interval(per_pair)
-    print(f"every step: mean {s['on']['mean']:.1f} vs {s['off']['mean']:.1f} us "
-          f"(ratio {mean_ratio:.4f}); median ratio {median_ratio:.4f}; steps "
-          f"{len(us['on'])} vs {len(us['off'])}; per process pair {per_pair} "
-          f"(mean {pair_mean:.4f} +- {pair_half:.4f}); gc inside steps "
-          f"{ {k: round(gc_us[k] / sum(us[k]), 4) for k in us} } of the time, {gc_n} "
-          f"collections; {events}; {vllm}")
-    save("step_mix", {
-        "with_us": s["on"], "without_us": s["off"], "mean_ratio": mean_ratio,
-        "median_ratio": median_ratio, "per_round": per_round, "tails": tails,
-        "rounds": ROUNDS * PAIRS, "pairs": PAIRS, "rounds_per_pair": ROUNDS,
-        "per_pair_mean_ratio": per_pair,
-        "gc_share_of_time": {k: gc_us[k] / sum(us[k]) for k in us}, "gc_collections": gc_n,
-        "pair_mean_ratio": pair_mean,
-        "pair_interval_half": pair_half, "target_mean_ratio": 1.02, "events": events,
-        "vllm_on": vllm["on"], "vllm_off": vllm["off"], "toggle": toggle,
-        "toggle_paced": paced | {"interval_seconds": float(PACED_INTERVAL)}})
+          f"({toggle['rounds_mismatched']} with different work); checkpoint pace "
+          f"{PACED_INTERVAL} s: {paced['mean_ratio']:.4f} +- {paced['interval_half']:.4f}")
+    save("step_mix", {"target_mean_ratio": 1.02, "toggle": toggle,
+                      "toggle_paced": paced | {"interval_seconds": float(PACED_INTERVAL)}})
 
 
 def _alone() -> tuple[dict[str, str], Path]:
-    """What a same-engine measurement run alone needs: the plugin, one hash seed and plain
-    request ids (as :func:`main`), and a directory for the workers' logs."""
+    """What a measurement needs: the plugin, one hash seed and plain request ids (vLLM
+    iterates sets of request ids, and its random id suffix would order the batches
+    differently from round to round), and a directory for the workers' logs."""
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
     return ({"PYTHONHASHSEED": "0", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
             Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")))
@@ -635,8 +447,6 @@ def _alone() -> tuple[dict[str, str], Path]:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker" and sys.argv[2] == "toggle":
         toggle_worker(tuple(sys.argv[3:]) or MODES)
-    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(sys.argv[2])
     elif sys.argv[1:] == ["toggle"]:  # the same-engine measurement alone (minutes, not tens)
         print(json.dumps(measure_toggle(*_alone(), floor=True), indent=1))
     else:

@@ -193,11 +193,6 @@ def _step_mix_rows() -> list[tuple[str, str]]:
             out.append((f"| 8 of which the interception alone (measured) | "
                         f"**{f['bare_mean_ratio']:.3f}x** +- {f['bare_interval_half']:.3f} | "
                         "measured |", day(d)))
-    if "pair_mean_ratio" in d:
-        mean, half = d["pair_mean_ratio"], d["pair_interval_half"]
-        out.append((f"| 8 the same over {d['pairs']} process pairs: <= 1.02x | "
-                    f"**{mean:.3f}x** +- {half:.3f} | "
-                    f"{short(interval_verdict(mean, half, 1.02))} |", day(d)))
     p = d.get("toggle_paced")
     if p:
         out.append((f"| 8 the same, opt-in checkpoint pace (measured) | "
@@ -239,8 +234,8 @@ METHOD = {
     "in turn (ABBA).",
     "bench_step_mix.py": "Every step counted on a real mix (prefix hits, preemption, aborts, "
     "speculative decoding): one engine with kvguard's hooks put in and taken out each "
-    "round (ABBA), so no process bias; also over process pairs, and with pass-through "
-    "wrappers to split the interception from kvguard's work.",
+    "round (ABBA), so no process bias; pass-through wrappers on the same methods split "
+    "the interception from kvguard's work; once more with the opt-in checkpoint pace.",
     "bench_scheduler_versions.py": "vLLM's real `Scheduler` and `BlockPool` stepped without "
     "a model, once per installed vLLM release (0.32 and 0.33), hooks in and out per round.",
     "bench_cost_meter.py": "The step mix again, reading kvguard's own live meter "

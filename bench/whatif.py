@@ -193,6 +193,11 @@ def summaries() -> list[str]:
             figure = (f"{w['mean_ratio']:.3f}x +- {w['interval_half']:.3f} against "
                       f"{d['mean_ratio']:.3f}x as shipped")
         out.append(f"{question}: {figure} ({d['machine']['date'][:10]}).")
+    pairs = _load("step_mix_pairs")
+    if pairs:
+        out.append(f"Target 8 on two engines in {pairs['pairs']} process pairs (the earlier "
+                   f"design, before the one-engine measure): {pairs['pair_mean_ratio']:.3f}x "
+                   f"+- {pairs['pair_interval_half']:.3f} ({pairs['machine']['date'][:10]}).")
     long = _load("throughput_long")
     for row in long.get("rows", []):
         out.append(f"Target 7 on one engine, kvguard's hooks in and out per repetition, a "
@@ -234,15 +239,24 @@ def render() -> str:
              "COMMAND` with the commit and command it names.", ""]
     studies = [(name, fn) for name, fn, _ in STUDIES]
     for name, fn in [*studies, ("hook_overhead_before_after", None),
-                     ("throughput_long", None), ("throughput_repeat", None)]:
+                     ("step_mix_pairs", None), ("throughput_long", None),
+                     ("throughput_repeat", None)]:
         d = _load(name)
         if not d:
             continue
-        rows = (fn(d, 1.02) if fn else before_after_row_of(d)
-                if name == "hook_overhead_before_after" else
-                [f"| 7 | {r['mode']} | **{r['mean_ratio']:.4f}x** +- "
-                 f"{r['ci95_half_width']:.4f} ({r['pairs']} pairs) | measured |"
-                 for r in d["rows"]])
+        if fn is not None:
+            rows = fn(d, 1.02)
+        elif name == "hook_overhead_before_after":
+            rows = before_after_row_of(d)
+        elif name == "step_mix_pairs":
+            rows = [f"| 8 | {d['pairs']} process pairs of {d['rounds_per_pair']} rounds | "
+                    f"**{d['pair_mean_ratio']:.3f}x** +- {d['pair_interval_half']:.3f} "
+                    "(pairs " + ", ".join(f"{x:.3f}" for x in d["per_pair_mean_ratio"])
+                    + ") | measured |"]
+        else:
+            rows = [f"| 7 | {r['mode']} | **{r['mean_ratio']:.4f}x** +- "
+                    f"{r['ci95_half_width']:.4f} ({r['pairs']} pairs) | measured |"
+                    for r in d["rows"]]
         r = d.get("reproduce", {})
         lines += [f"## {name}", "", f"Measured {d['machine']['date']} by "
                   f"`{r.get('command', '?')}` at commit `{r.get('commit', '?')}`.", "",

@@ -1,6 +1,6 @@
 """``kvguard`` command line: ``report``, ``sidecar``, ``chaos`` and ``demo``.
 
-Every option also reads a ``KVGUARD_*`` environment variable (see README).
+Every option also reads a ``KVGUARD_*`` environment variable (see docs/operator-guide.md).
 """
 
 from __future__ import annotations

@@ -61,7 +61,6 @@ results now (``bench/results/what_if.md``, with the commit that measured them).
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import statistics
 import sys
@@ -71,7 +70,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from harness import Worker, kvguard_hooks, reply, save, set_hooks, t_interval
+from harness import (
+    Pairs,
+    Worker,
+    across_processes,
+    kvguard_hooks,
+    reply,
+    save,
+    set_hooks,
+    t_interval,
+)
 
 REQUESTS = 128
 PREFIX_TOKENS = 64
@@ -239,51 +247,8 @@ same: the ratio must be 1), and a busy wait of known length (the ratio must be t
 its share of the treated engine's time gives)."""
 
 
-class _Pairs:
-    """The samples of one treatment: per pair, the geometric mean of its two repetitions'
-    throughput ratios (treated / untreated), so that a speed difference between the two
-    engines cancels."""
-
-    def __init__(self) -> None:
-        self.ratios: list[float] = []
-        self.engine_ratios: list[float] = []
-        self.seconds: dict[bool, list[float]] = {True: [], False: []}
-        self.gc_share: dict[bool, list[float]] = {True: [], False: []}
-        self.steps: list[int] = []
-
-    def add(self, got: dict[int, dict[str, Any]]) -> None:
-        for on, out in got.items():
-            self.steps.append(out["steps"][0])
-            for i in (0, 1):
-                self.seconds[i == on].append(out["seconds"][i])
-                self.gc_share[i == on].append(out["gc_seconds"][i] / out["seconds"][i])
-        # throughput treated / untreated in each repetition: untreated time over treated
-        r0 = got[0]["seconds"][1] / got[0]["seconds"][0]
-        r1 = got[1]["seconds"][0] / got[1]["seconds"][1]
-        self.ratios.append(math.sqrt(r0 * r1))
-        self.engine_ratios.append(math.sqrt(r1 / r0))  # engine 0's time over engine 1's
-
-    def done(self) -> bool:
-        return (len(self.ratios) >= MIN_INTERLEAVED_PAIRS
-                and t_interval(self.ratios)[1] <= TARGET_HALF_WIDTH)
-
-    def row(self, mode: str) -> dict[str, Any]:
-        mean, half = t_interval(self.ratios)
-        tps = {k: REQUESTS * OUTPUT_TOKENS / statistics.median(v)
-               for k, v in self.seconds.items()}
-        return {"mode": mode, "pairs": len(self.ratios), "mean_ratio": mean,
-                "ci95_half_width": half, "median_ratio": statistics.median(self.ratios),
-                "ratios": self.ratios,
-                "tokens_per_second_on": tps[True], "tokens_per_second_off": tps[False],
-                "seconds_on": self.seconds[True], "seconds_off": self.seconds[False],
-                "engine_time_ratio": statistics.fmean(self.engine_ratios),
-                "gc_share_on": statistics.fmean(self.gc_share[True]),
-                "gc_share_off": statistics.fmean(self.gc_share[False]),
-                "steps_per_repetition": statistics.median(self.steps)}
-
-
 def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment, ...],
-                         model_dir: Path, log: Path, budget_seconds: float) -> dict[str, _Pairs]:
+                         model_dir: Path, log: Path, budget_seconds: float) -> dict[str, Pairs]:
     """One worker process of an ``interleaved-*`` mode: pairs of each treatment in turn
     until every treatment's interval is within the target's width (past
     ``MIN_INTERLEAVED_PAIRS``), or ``budget_seconds`` are spent (past ``MIN_PAIRS``)."""
@@ -291,7 +256,8 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
                     {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
                      "KVGUARD_RUN_DIR": str(log.parent / f"run-{log.stem}")}, log)
     expected = REQUESTS * OUTPUT_TOKENS
-    pairs = {t.name: _Pairs() for t in treatments}
+    pairs = {t.name: Pairs(REQUESTS * OUTPUT_TOKENS, MIN_INTERLEAVED_PAIRS, TARGET_HALF_WIDTH)
+             for t in treatments}
     try:
         for t in treatments:  # untimed: caches warm with each treatment on each engine
             for on in (0, 1):
@@ -319,32 +285,6 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
     finally:
         worker.close()
     return pairs
-
-
-def across_processes(mode: str, per_process: list[dict[str, Any]]) -> dict[str, Any]:
-    """An ``interleaved-*`` mode's row from its processes' rows: the mean of the process
-    means, with the 95 % interval over them (Student's t, one sample per process). A
-    process carries a bias of its own (where its code and data landed in memory), which
-    its pairs cannot show: one process's interval is narrower than the spread between
-    processes. The pairs, times and shares are pooled."""
-    means = [r["mean_ratio"] for r in per_process]
-    mean, half = t_interval(means)
-    pooled: dict[str, Any] = {"mode": mode, "mean_ratio": mean, "ci95_half_width": half,
-                              "processes": len(per_process), "process_means": means,
-                              "process_half_widths": [r["ci95_half_width"]
-                                                      for r in per_process]}
-    ratios = [x for r in per_process for x in r["ratios"]]
-    pooled.update(pairs=len(ratios), ratios=ratios, median_ratio=statistics.median(ratios))
-    for k in ("seconds_on", "seconds_off"):
-        pooled[k] = [x for r in per_process for x in r[k]]
-    for k in ("engine_time_ratio", "gc_share_on", "gc_share_off"):
-        pooled[k] = statistics.fmean(r[k] for r in per_process)
-    for k, side in (("tokens_per_second_on", "seconds_on"),
-                    ("tokens_per_second_off", "seconds_off")):
-        pooled[k] = REQUESTS * OUTPUT_TOKENS / statistics.median(pooled[side])
-    pooled["steps_per_repetition"] = statistics.median(
-        r["steps_per_repetition"] for r in per_process)
-    return pooled
 
 
 def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, object]:
@@ -383,7 +323,7 @@ def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, obje
         _print_interleaved(per_process[-1])
     if len(per_process) == 1:  # KVGUARD_BENCH_THROUGHPUT_PROCESSES=1: its pairs' interval
         return per_process[0]
-    row = across_processes(mode, per_process)
+    row = across_processes(mode, per_process, REQUESTS * OUTPUT_TOKENS)
     print(f"{mode}: over {PROCESSES} processes {row['mean_ratio']:.4f} +- "
           f"{row['ci95_half_width']:.4f} (process means "
           + ", ".join(f"{m:.4f}" for m in row["process_means"]) + ")", flush=True)

@@ -273,3 +273,78 @@ def kept_true(t: dict[str, Any]) -> bool:
     no hook failure, and the same work (steps, vLLM's counters) every way."""
     return (set(verdicts(t)) <= {"clean", "saturated"} and not t["rounds_mismatched"]
             and not t["double_frees"] and not t["hook_errors"])
+
+
+# -- pairing: two sides measured at the same moments -----------------------------------
+
+class Pairs:
+    """The samples of one treatment: per pair, the geometric mean of its two repetitions'
+    throughput ratios (treated / untreated), so that a speed difference between the two
+    engines cancels. ``tokens``: the output tokens of one repetition (for tokens per
+    second); enough pairs once at least ``min_pairs`` give a 95 % half-width within
+    ``target_half``."""
+
+    def __init__(self, tokens: int, min_pairs: int, target_half: float) -> None:
+        self.tokens, self.min_pairs, self.target_half = tokens, min_pairs, target_half
+        self.ratios: list[float] = []
+        self.engine_ratios: list[float] = []
+        self.seconds: dict[bool, list[float]] = {True: [], False: []}
+        self.gc_share: dict[bool, list[float]] = {True: [], False: []}
+        self.steps: list[int] = []
+
+    def add(self, got: dict[int, dict[str, Any]]) -> None:
+        for on, out in got.items():
+            self.steps.append(out["steps"][0])
+            for i in (0, 1):
+                self.seconds[i == on].append(out["seconds"][i])
+                self.gc_share[i == on].append(out["gc_seconds"][i] / out["seconds"][i])
+        # throughput treated / untreated in each repetition: untreated time over treated
+        r0 = got[0]["seconds"][1] / got[0]["seconds"][0]
+        r1 = got[1]["seconds"][0] / got[1]["seconds"][1]
+        self.ratios.append(math.sqrt(r0 * r1))
+        self.engine_ratios.append(math.sqrt(r1 / r0))  # engine 0's time over engine 1's
+
+    def done(self) -> bool:
+        return (len(self.ratios) >= self.min_pairs
+                and t_interval(self.ratios)[1] <= self.target_half)
+
+    def row(self, mode: str) -> dict[str, Any]:
+        mean, half = t_interval(self.ratios)
+        tps = {k: self.tokens / statistics.median(v)
+               for k, v in self.seconds.items()}
+        return {"mode": mode, "pairs": len(self.ratios), "mean_ratio": mean,
+                "ci95_half_width": half, "median_ratio": statistics.median(self.ratios),
+                "ratios": self.ratios,
+                "tokens_per_second_on": tps[True], "tokens_per_second_off": tps[False],
+                "seconds_on": self.seconds[True], "seconds_off": self.seconds[False],
+                "engine_time_ratio": statistics.fmean(self.engine_ratios),
+                "gc_share_on": statistics.fmean(self.gc_share[True]),
+                "gc_share_off": statistics.fmean(self.gc_share[False]),
+                "steps_per_repetition": statistics.median(self.steps)}
+
+
+def across_processes(mode: str, per_process: list[dict[str, Any]],
+                     tokens: int) -> dict[str, Any]:
+    """An ``interleaved-*`` mode's row from its processes' rows: the mean of the process
+    means, with the 95 % interval over them (Student's t, one sample per process). A
+    process carries a bias of its own (where its code and data landed in memory), which
+    its pairs cannot show: one process's interval is narrower than the spread between
+    processes. The pairs, times and shares are pooled."""
+    means = [r["mean_ratio"] for r in per_process]
+    mean, half = t_interval(means)
+    pooled: dict[str, Any] = {"mode": mode, "mean_ratio": mean, "ci95_half_width": half,
+                              "processes": len(per_process), "process_means": means,
+                              "process_half_widths": [r["ci95_half_width"]
+                                                      for r in per_process]}
+    ratios = [x for r in per_process for x in r["ratios"]]
+    pooled.update(pairs=len(ratios), ratios=ratios, median_ratio=statistics.median(ratios))
+    for k in ("seconds_on", "seconds_off"):
+        pooled[k] = [x for r in per_process for x in r[k]]
+    for k in ("engine_time_ratio", "gc_share_on", "gc_share_off"):
+        pooled[k] = statistics.fmean(r[k] for r in per_process)
+    for k, side in (("tokens_per_second_on", "seconds_on"),
+                    ("tokens_per_second_off", "seconds_off")):
+        pooled[k] = tokens / statistics.median(pooled[side])
+    pooled["steps_per_repetition"] = statistics.median(
+        r["steps_per_repetition"] for r in per_process)
+    return pooled

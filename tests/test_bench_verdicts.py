@@ -53,7 +53,7 @@ def _repetition(on: int, *, cost: float, engine0_slower: float, jitter: float) -
 
 
 def test_pairing_cancels_engine_bias_and_machine_speed() -> None:
-    pairs = throughput._Pairs()
+    pairs = harness.Pairs(throughput.REQUESTS * throughput.OUTPUT_TOKENS, 10, 0.005)
     for jitter in (1.0, 1.3, 0.8, 1.1):
         got = {on: _repetition(on, cost=1.02, engine0_slower=1.05,
                                jitter=jitter * (1.07 if on else 1.0))
@@ -110,8 +110,9 @@ def _process_row(mean: float, half: float) -> dict[str, Any]:
 def test_judged_over_processes_not_over_their_pairs() -> None:
     # Three processes, each sure of itself to +-0.1 %, that disagree by about 0.5 %:
     # the interval is the processes' (t with 2 degrees of freedom), not the pairs'.
-    row = throughput.across_processes(
-        "interleaved-async", [_process_row(m, 0.001) for m in (0.985, 0.990, 0.995)])
+    row = harness.across_processes(
+        "interleaved-async", [_process_row(m, 0.001) for m in (0.985, 0.990, 0.995)],
+        throughput.REQUESTS * throughput.OUTPUT_TOKENS)
     assert row["mean_ratio"] == pytest.approx(0.990)
     assert row["ci95_half_width"] == pytest.approx(4.303 * 0.005 / 3 ** 0.5, rel=1e-3)
     assert row["pairs"] == 30 and row["processes"] == 3

@@ -114,26 +114,42 @@ def _online_note(state: EngineState, drained: CheckpointReport) -> str:
             f"evidence: online, request {who}).")
 
 
-def cost_note(state: EngineState) -> str:
-    """kvguard's cost as a user meets it: the demo's metered share of scheduler time, what
-    the demo's own audit budget adds to it, the share at the defaults, and the end-to-end
-    figure the benchmarks measure. Empty when nothing was metered."""
+def cost_note(state: EngineState, busy_seconds: float | None = None) -> str:
+    """kvguard's cost as a user meets it: the share of scheduler time the demo metered,
+    what the demo's own online-audit budget changed in it, the share at the defaults, and
+    end to end: kvguard's own time against ``busy_seconds`` of the demo's workload, beside
+    the end-to-end figure the benchmarks measure. Empty when nothing was metered.
+
+    The meter times one window of ``window_steps`` in every ``sample_every_steps``; the
+    run's steps are estimated from the windows (at most one period more), so its totals
+    are estimates, and the audit's share errs low, the share at the defaults high."""
     c = state.cost
     if c is None or not c.sampled_steps_total or c.scheduler_seconds_total <= 0:
         return ""
     share = c.self_seconds_total / c.scheduler_seconds_total
-    budget = state.online.budget_fraction if state.online is not None else 0.0
-    # The online audit spends up to its budget of scheduler time by construction; the
-    # rest of kvguard's share (hooks, checkpoints, publishing) does not depend on it.
-    at_defaults = max(share - budget, 0.0) + (DEFAULT_ONLINE_BUDGET if budget else 0.0)
-    return (f"kvguard's cost here: {100 * share:.1f} % of scheduler time, with this demo's "
-            f"online-audit budget of {100 * budget:.1f} % (default "
-            f"{100 * DEFAULT_ONLINE_BUDGET:.1f} %); at the defaults about "
-            f"{100 * at_defaults:.1f} %. The scheduler is a part of each step: end to end, "
-            f"at the defaults, kvguard keeps about {END_TO_END_AT_DEFAULTS:.2f}x of vLLM's "
-            f"throughput, i.e. costs about {100 * (1 - END_TO_END_AT_DEFAULTS):.0f} % "
-            "(BENCHMARKS.md, target 7, on the same tiny CPU model; on a GPU the scheduler's "
-            "share of a step is smaller).")
+    steps = c.sampled_steps_total
+    if c.sample_every_steps > c.window_steps > 0:
+        steps = (c.sampled_steps_total // c.window_steps + 1) * c.sample_every_steps
+    scheduler_seconds = c.scheduler_seconds_total / c.sampled_steps_total * steps
+    online = state.online
+    budget = online.budget_fraction if online is not None else 0.0
+    audit = min(online.audit_seconds_total / scheduler_seconds, budget) if online else 0.0
+    # Only the online audit's time depends on its budget (it spends at most that share of
+    # scheduler time); hooks, drained checkpoints and publishing do not.
+    at_defaults = share - audit + min(audit, DEFAULT_ONLINE_BUDGET)
+    wall = ""
+    if busy_seconds:
+        own = c.self_seconds_total / c.sampled_steps_total * steps
+        wall = (f" End to end here, kvguard's own time on the engine thread was about "
+                f"{100 * own / busy_seconds:.1f} % of the workload's {busy_seconds:.0f} s.")
+    return (f"kvguard's cost here: {100 * share:.1f} % of scheduler time; its online audit "
+            f"spent about {100 * audit:.1f} % of it, under this demo's budget of "
+            f"{100 * budget:.1f} % (default {100 * DEFAULT_ONLINE_BUDGET:.1f} %), so at the "
+            f"defaults about {100 * at_defaults:.1f} %.{wall} The scheduler is one part of a "
+            f"step: benchmarked end to end at the defaults, kvguard keeps about "
+            f"{END_TO_END_AT_DEFAULTS:.2f}x of vLLM's throughput, a cost of about "
+            f"{100 * (1 - END_TO_END_AT_DEFAULTS):.0f} % (BENCHMARKS.md, target 7, on the same "
+            "tiny CPU model; on a GPU the scheduler's share of a step is smaller).")
 
 
 def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
@@ -169,9 +185,11 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         t0 = time.monotonic()
         with ServerProcess(spec, log_path=root / "server.log", env=env) as server:
             _say(f"  server healthy at {server.base_url} after {time.monotonic() - t0:.0f} s")
+            busy_from = time.monotonic()
             result = run_workload(server.base_url, spec.served_model_name, progress=_progress,
                                   hangup_max_tokens=1900, cancelled_streams=1,
                                   busy_streams=3)
+            busy_seconds = time.monotonic() - busy_from
             _say(f"  workload done: {result.completed} completed, {result.disconnected} "
                  f"disconnected or cancelled mid-stream, {result.failed} failed")
             if inject_fault:
@@ -196,7 +214,7 @@ def run_demo(*, workdir: Path | None = None, inject_fault: bool = True) -> int:
         else:
             ok = report.verdict in (Verdict.CLEAN, Verdict.SATURATED)
             print("As expected: no leak." if ok else "UNEXPECTED: a leak without a fault.")
-        if note := cost_note(state):
+        if note := cost_note(state, busy_seconds):
             print(note)
         _say(f"demo finished in {time.monotonic() - t0:.0f} s (state and logs in {root}"
              f"{' - removed on exit' if workdir is None else ''})")

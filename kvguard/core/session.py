@@ -219,6 +219,9 @@ class GuardSession:
         hold (a delayed or deferred free) in the way: when that hold's bound passes (Unix
         s). Read at admission (one attribute per request)."""
         self._deferred_seen_at: float | None = None
+        self._last_drained_mono: float | None = None
+        """When the last drained audit ran (monotonic s): an idle engine is audited again
+        ``idle_recheck_seconds`` later."""
         """When deferred frees were first seen pending with nothing in flight (Unix s)."""
         self._next_publish = 0.0
         """When ``on_step_end`` next looks at publishing (monotonic s)."""
@@ -551,9 +554,19 @@ class GuardSession:
         if self.transfers is not None:
             with self.contain("transfers"):
                 self.poll_transfers(time.time())
-        owed = self.pacer.owed_since is not None and self.pacer.ready(time.monotonic())
+        mono = time.monotonic()
+        owed = self.pacer.owed_since is not None and self.pacer.ready(mono)
+        if self._idle_recheck_due(mono):
+            self._checkpoint_requested = True
         if self._checkpoint_requested or self.drain_pending or owed:
             self.maybe_checkpoint()
+
+    def _idle_recheck_due(self, mono: float) -> bool:
+        """An idle engine's last drained audit is ``idle_recheck_seconds`` old (monotonic
+        seconds): audit it again, so that its verdict is current without traffic."""
+        every = self.config.idle_recheck_seconds
+        last = self._last_drained_mono
+        return every > 0 and last is not None and mono - last >= every
 
     def checkpoint_now(self, *, now: float | None = None) -> CheckpointReport:
         """Audit the real pool against the ledger now. Callers make sure it is drained."""
@@ -588,6 +601,11 @@ class GuardSession:
             taken_at=now, saturation_ratio=self.config.saturation_ratio,
             audit_seconds=time.perf_counter() - t0)
         self.last_pool = report.pool
+        self._last_drained_mono = time.monotonic()
+        if self.config.idle_recheck_seconds > 0:
+            # Idle from here on, the waker brings on_idle back then (a busy engine drains,
+            # and is audited, before that; the waker keeps only the earliest wake).
+            self._wake_after(self.config.idle_recheck_seconds)
         if self.attributor is not None:
             # Memory attribution, after the pool audit; a failure is contained and counted
             # like a hook error, and the report goes out without its memory sections.

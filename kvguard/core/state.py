@@ -14,19 +14,19 @@ from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 from kvguard.kv_events.snapshot import KvEventsState
 
-STATE_SCHEMA_VERSION = 8
+STATE_SCHEMA_VERSION = 9
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
 kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
 pace of drained audits). 5: ``cost`` (kvguard's own time on the engine thread, metered on a
 sample of steps). 6: ``model_name`` and ``engine_index``, the labels that join kvguard's
-series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: ``transfers.worker_ranks``
-(what kvguard's worker half in each worker process reported: per-rank lease lapses, late
-reads, finished transfers, drops, errors); ``transfers.hold_source`` names where the
-leases came from (a worker process, or EngineCore).
-8: ``kv_events`` (the engine's KV-event stream and its pool's hashed blocks at the last drained
-checkpoint, for the KV-event mirror check)."""
+series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: never released.
+8: ``kv_events`` (the engine's KV-event stream and its pool's hashed blocks at the last
+drained checkpoint, for the KV-event mirror check). 9: ``transfers.worker_ranks`` (what
+kvguard's worker half in each worker process reported: per-rank lease lapses, late reads,
+finished transfers, drops, errors); ``transfers.hold_source`` names where the leases came
+from (a worker process, or EngineCore). Built as 7, released after 8."""
 
 
 class OnlineState(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import time
 
-from common import save, stats
+from harness import save, stats
 
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reconciler import ReconcileOptions, reconcile

@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import MARK, RoundBudget, kvguard_hooks, reply, save
+from harness import MARK, RoundBudget, kvguard_hooks, reply, save
 
 ROUNDS_MIN, ROUNDS_MAX = 4, 12
 SECONDS = 60.0
@@ -54,8 +54,8 @@ def direct_worker(scheduling: str) -> None:
     of the end-to-end cost (target 7's interleaved runs measure the whole of it)."""
     import bench_throughput as tput
 
-    from kvguard.demo.engine import scheduler_of
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.engine import scheduler_of
+    from kvguard.testing.tiny_model import make_tiny_model
     from kvguard.vllm_plugin.guard import guard_of
 
     llm = tput._warm_llm(scheduling, str(make_tiny_model(Path(tempfile.mkdtemp()))))

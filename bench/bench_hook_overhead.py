@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import RoundBudget, save, stats
+from harness import RoundBudget, save, stats
 
 CONCURRENCY = 64
 ROUNDS = int(os.environ.get("KVGUARD_BENCH_ROUNDS", "40"))
@@ -66,8 +66,8 @@ if __name__ == "__main__":
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
     from kvguard.chaos.harness import EngineHarness
-    from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.engine import EngineSpec, build_engine, scheduler_of
+    from kvguard.testing.tiny_model import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-"))
     os.environ["KVGUARD_RUN_DIR"] = str(tmp / "run")

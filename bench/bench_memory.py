@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 
-from common import save
+from harness import save
 
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.types import AcquireKind, FinishReason, RequestId

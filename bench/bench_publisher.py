@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import save, stats
+from harness import save, stats
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "core"))

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-from common import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
+from harness import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 VENVS: Final = {"0.32": ROOT / ".venv", "0.33": ROOT / ".venv-vllm033"}
@@ -95,7 +95,7 @@ def worker() -> None:
     import vllm
     from _sched import Sched, build_scheduler
 
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.tiny_model import make_tiny_model
 
     model = make_tiny_model(Path(tempfile.mkdtemp(prefix="kvguard-bench-versions-")))
     s: Any = Sched(build_scheduler(model, num_blocks=POOL_BLOCKS, max_num_seqs=MAX_NUM_SEQS))

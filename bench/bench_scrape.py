@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
-from common import save, stats
+from harness import save, stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sidecar"))
 from factories import report, state, write

@@ -21,19 +21,7 @@ would compare different work. Greedy costs nothing kvguard hooks: on these dummy
 weights the target accepts every draft, and a rejected draft only rolls vLLM's token
 counters back (``Scheduler.update_from_output``), it frees no block.
 
-Two real in-process engines, each in a worker process of its own (kvguard with its
-defaults, and one built with ``KVGUARD_ENABLED=0``; vLLM 0.32's CPU build cannot build a
-second engine with speculative decoding in one process, ``draft_model`` or ``ngram``),
-both alive and warm, the same timing wrapper on both, outside kvguard's hooks; rounds
-alternate the order (ABBA). A process carries a bias of its own that rounds cannot
-cancel (two kvguard-off processes measured 1.09x and 0.95x against each other), so this
-is repeated over ``PAIRS`` fresh process pairs. Reported: the mean over pairs of each
-pair's ratio of mean step times, with its 95 % interval (the criterion, target <= 1.02:
-a pass needs the interval's upper end within it, a miss its lower end beyond it), the
-pooled ratios of means and medians, the per-round ratios, and the slowest steps of each
-engine with what kvguard did in them, which is what makes a mean exceed a median.
-
-Second, the same comparison without any process or engine bias: one engine with kvguard,
+The comparison carries no process or engine bias: one engine with kvguard,
 its hooks taken out for every other round (the engine's own methods back) and put in again
 (ABBA, up to ``TOGGLE_ROUNDS`` per mode in each of ``TOGGLE_PROCESSES`` processes, as many
 as ``TOGGLE_SECONDS`` of wall time per process allows past ``TOGGLE_MIN_ROUNDS``, the prefix
@@ -48,40 +36,26 @@ work's (with / pass-through). Then, in the first process, ``SELF_TIME_ROUNDS`` r
 a clock at every boundary between kvguard and the engine: kvguard's own time per hook and
 per session method, per step: where the ratio comes from.
 
-``bench_step_mix.py seam`` (not in the default run; result ``step_mix_seam.json``): the
-what-if of the lifecycle-only seam, :func:`lifecycle_seam` run as a third way in each
-round of the same-engine measurement (kvguard as it ships, that seam, the engine alone):
-what a redesign that reads ownership only from vLLM's block tables would save.
-``bench_step_mix.py groups`` (not in the default run; result ``step_mix_groups.json``): the
-same engine with kvguard whole, each group of its hooks alone, and none: where the cost
-lives, with no clock in kvguard's code. ``bench_step_mix.py batched`` (not in the default
-run; result ``step_mix_batched.json``): the same as ``seam`` with :func:`batched_seam`,
-allocations and prefix hits read once per step from the batch vLLM builds
-(``SchedulerOutput``) instead of from the pool.
+The what-if studies once run from here (``seam``, ``groups``, ``batched``) and the earlier
+design of two engines in a process pair each (``step_mix_pairs``: a process carries a bias
+of its own that its rounds cannot cancel) are results now (``bench/results/what_if.md``,
+with the commit that measured them).
 """
 
 from __future__ import annotations
 
 import collections
-import gc
 import json
 import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Final
 
-from common import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
+from harness import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
 
-PAIRS = int(os.environ.get("KVGUARD_BENCH_MIX_PAIRS", "2"))
-"""Process pairs: each process carries a bias of its own (memory layout, thread placement;
-measured: 1.09x and 0.95x between two kvguard-off processes over 8 rounds), which rounds
-within one pair cannot cancel, so the criterion is the mean over pairs with its interval."""
-ROUNDS = int(os.environ.get("KVGUARD_BENCH_MIX_ROUNDS", "6"))
-"""Rounds per process pair, alternating the order (ABBA)."""
 REQUESTS = 64
 GROUPS = 4
 OUTPUT_TOKENS = 96
@@ -116,30 +90,14 @@ about 1-2 s here, so a pace of 1 s would let every drain through; at 10 s, after
 burst of 4, most drains are let go and audited later (at an admission the pace allows)."""
 
 
-GC_IN_STEPS = {"ns": 0, "collections": 0, "start": 0, "in_step": 0}
-"""Garbage-collection pauses that fall inside timed steps (``gc.callbacks``): both sides
-pay them, kvguard's side for its own objects too."""
-
-
-def _on_gc(phase: str, info: dict[str, int]) -> None:
-    g = GC_IN_STEPS
-    if phase == "start":
-        g["start"] = time.perf_counter_ns()
-    elif g["in_step"]:
-        g["ns"] += time.perf_counter_ns() - g["start"]
-        g["collections"] += 1
-
-
 def _clocked(fn: Any, done: Any) -> Any:
-    """``fn`` timed: ``done(ns)`` with its time, garbage collection inside it counted."""
+    """``fn`` timed: ``done(ns)`` with its time."""
     def run(*a: Any, **k: Any) -> Any:
-        GC_IN_STEPS["in_step"] = 1
         t = time.perf_counter_ns()
         try:
             return fn(*a, **k)
         finally:
             done(time.perf_counter_ns() - t)
-            GC_IN_STEPS["in_step"] = 0
     return run
 
 
@@ -147,30 +105,6 @@ MODES: Final = ("on", "bare", "off")
 """How a toggle round runs: kvguard's hooks (``on``), the engine's own methods (``off``),
 or a :func:`passthrough` wrapper on each method kvguard hooks (``bare``); a round with all
 three runs them in this order, then reversed."""
-SEAM_MODES: Final = ("on", "seam", "off")
-"""The what-if measurement (``bench_step_mix.py seam``): kvguard's hooks, the lifecycle-only
-seam (:func:`lifecycle_seam`), and the engine's own methods, in turn."""
-
-
-BATCHED_MODES: Final = ("on", "batched", "off")
-"""The other what-if (``bench_step_mix.py batched``): kvguard's hooks, allocations read from
-each step's ``SchedulerOutput`` (:func:`batched_seam`), and the engine's own methods."""
-
-
-GROUP_MODES: Final = ("on", "life", "pool", "stepend", "off")
-"""Where the cost lives, measured with no clock in kvguard (``bench_step_mix.py groups``):
-kvguard whole, then each group of its hooks alone (:data:`HOOK_GROUPS`), then none."""
-HOOK_GROUPS: Final = {
-    "life": ("add_request", "_preempt_request", "_free_request", "_free_request_blocks",
-             "_free_blocks", "finish_requests", "remove_skipped_blocks"),
-    "pool": ("get_new_blocks", "touch", "free_blocks", "unpin_blocks"),
-    "stepend": ("schedule", "update_from_output"),
-}
-"""kvguard's hooks by what they do: the request lifecycle (admissions, preemptions,
-finishes, frees: the claims run here), the block pool's events, and the step end (the
-drained checkpoints, the online audit and publishing run there)."""
-
-
 def passthrough(orig: Any) -> Any:
     """A wrapper of a kvguard hook's shape (a Python frame around the engine's call; a
     hook's ``try`` costs nothing on CPython 3.11 unless it raises) that does no work: with
@@ -179,87 +113,6 @@ def passthrough(orig: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return orig(*args, **kwargs)
     return wrapper
-
-
-def lifecycle_seam(hooks: list[tuple[Any, str, Any]], ledger: Any) -> None:
-    """With kvguard's hooks in place, take out its block-pool hooks and release each
-    request's references at its free (``_free_request_blocks``) from its ledger record:
-    ownership read only from vLLM's block tables at the lifecycle events (the claims
-    kvguard makes there already), the seam earlier notes proposed to cut target 8's cost.
-
-    What-if only: it would lose what the pool hooks see (an allocation no table ever
-    holds, a free of a block with no reference: orphans and double frees named on their
-    path), so its cost is a lower bound for that design. A preemption frees through
-    ``_free_request_blocks`` too (vLLM 0.32), so its references are released there. The
-    drained verdicts of its rounds must still be clean or saturated (the driver reports
-    them)."""
-    from kvguard.vllm_plugin.hooks import POOL_HOOKS
-
-    for obj, name, _ in hooks:
-        if name in POOL_HOOKS:
-            obj.__dict__.pop(name, None)
-    for obj, name, hook in hooks:
-        if name != "_free_request_blocks":
-            continue
-
-        def release_at_free(request: Any, *a: Any, _hook: Any = hook, **k: Any) -> Any:
-            try:
-                return _hook(request, *a, **k)
-            finally:
-                rec = ledger.record(request.request_id)
-                if rec is not None and rec.blocks:
-                    ledger.on_blocks_released(
-                        request.request_id,
-                        [b for b, n in rec.blocks.items() for _ in range(n)])
-        setattr(obj, name, release_at_free)
-
-
-def batched_seam(hooks: list[tuple[Any, str, Any]], guard: Any) -> None:
-    """With kvguard's hooks in place, read allocations and prefix hits from the batch vLLM
-    already builds per step instead of from the pool: take out the ``get_new_blocks`` and
-    ``touch`` hooks and the claims at finish and preemption, and after each ``schedule``
-    give every scheduled request the block ids its ``SchedulerOutput`` lists as new for it
-    (a new or resumed request: all of its blocks, prefix hits included; a running one: the
-    blocks appended this step), already named, in one pass. Frees stay on the pool hooks
-    (double frees are still seen where they happen), the lifecycle hooks and the drained
-    audit's claims stay as they ship.
-
-    What-if only, for FCFS scheduling: a block allocated and freed inside one ``schedule``
-    call (priority scheduling can preempt a request it scheduled earlier in the same call)
-    would read as a double free, and an allocation no batch lists (a P/D decode request
-    waiting for its remote KV) would be missed; a design on this seam would have to cover
-    both. The drained verdicts of its rounds must still be clean or saturated."""
-    from kvguard.core.types import AcquireKind
-
-    ledger = guard.ledger
-    kind = AcquireKind.ALLOCATE
-    for obj, name, _ in hooks:
-        if name in ("get_new_blocks", "touch"):
-            obj.__dict__.pop(name, None)
-    guard.claim = lambda request_id: None  # the instance's: the session's own comes back
-
-    for obj, name, hook in hooks:
-        if name != "schedule":
-            continue
-
-        def schedule(*a: Any, _hook: Any = hook, **k: Any) -> Any:
-            out = _hook(*a, **k)
-            try:
-                acquire = ledger.on_blocks_acquired
-                for new in out.scheduled_new_reqs:
-                    for ids in new.block_ids:
-                        if ids:
-                            acquire(new.req_id, ids, kind)
-                cached = out.scheduled_cached_reqs
-                for rid, groups in zip(cached.req_ids, cached.new_block_ids, strict=True):
-                    if groups is not None:
-                        for ids in groups:
-                            if ids:
-                                acquire(rid, ids, kind)
-            except Exception as exc:
-                guard.errors.record("schedule_batch", exc)
-            return out
-        setattr(obj, name, schedule)
 
 
 def timed(sched: Any, samples: list[int], tags: list[str], guard: Any) -> None:
@@ -329,8 +182,8 @@ def run_round(h: Any, seed: int) -> None:
 def _spec() -> Any:
     """The engine both sides run: the tiny Llama, a 160-block pool, a draft model."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from kvguard.demo.engine import EngineSpec
-    from kvguard.demo.tiny_model import make_draft_model, make_tiny_model
+    from kvguard.testing.engine import EngineSpec
+    from kvguard.testing.tiny_model import make_draft_model, make_tiny_model
 
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
     os.environ["KVGUARD_RUN_DIR"] = str(tmp / "run")
@@ -349,61 +202,11 @@ def _build_engine_on() -> tuple[Any, Any]:
     return h, h.scheduler
 
 
-def worker(enabled: str) -> None:
-    """One side in this process: a real engine, kvguard on or off; a round per ``run SEED``,
-    answered with its step times (us) and what kvguard did in each step."""
-    from kvguard.chaos.harness import EngineHarness
-    from kvguard.demo.engine import build_engine, scheduler_of
-
-    h: Any
-    guard = None
-    if enabled == "on":
-        h, sched = _build_engine_on()
-        guard = h.guard
-    else:
-        spec = _spec()
-        os.environ["KVGUARD_ENABLED"] = "0"
-        engine = build_engine(spec)
-        sched = scheduler_of(engine)
-        assert getattr(sched, "_kvguard", None) is None
-
-        class Off:  # the same driving interface, no guard
-            _n = 0
-            add = EngineHarness.add
-            step_until = EngineHarness.step_until
-            run_to_completion = EngineHarness.run_to_completion
-            vllm_metric = EngineHarness.vllm_metric
-
-        h = Off()
-        h.engine = engine
-    samples: list[int] = []
-    tags: list[str] = []
-    timed(sched, samples, tags, guard)
-    gc.callbacks.append(_on_gc)
-    run_round(h, 0)  # warm-up
-    events0 = dict(guard.ledger.num_events) if guard else {}
-    reply("ready")
-    for line in sys.stdin:
-        if line.startswith("summary"):
-            m = h.vllm_metric
-            reply({"events": {e: n - events0.get(e, 0)
-                              for e, n in (guard.ledger.num_events.items() if guard else ())},
-                   "vllm": {k: m(k) for k in COUNTERS}})
-            continue
-        samples.clear()
-        tags.clear()
-        GC_IN_STEPS["ns"] = GC_IN_STEPS["collections"] = 0
-        run_round(h, int(line.split()[1]))
-        reply({"us": [x / 1000 for x in samples], "tags": tags,
-               "gc_us": GC_IN_STEPS["ns"] / 1000, "gc_collections": GC_IN_STEPS["collections"]})
-    os._exit(0)
-
-
 def toggle_worker(modes: tuple[str, ...]) -> None:
     """One engine with kvguard; each round runs with its hooks in place, taken out (the
     engine's own methods back), replaced by :func:`passthrough` wrappers, or as the
-    lifecycle-only seam (:func:`lifecycle_seam`), as the driver asks: ``run SEED
-    on|off|bare|seam`` (one of ``modes``, each warmed up first). The same engine, process
+    as the driver asks: ``run SEED on|off|bare`` (one of ``modes``, each warmed up
+    first). The same engine, process
     and memory on every side, so the ratios carry no process or engine bias.
     ``selftime ROUNDS``: kvguard's own time per hook, from clocks at every hook boundary."""
     h, sched = _build_engine_on()
@@ -416,23 +219,11 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         return dict(collections.Counter(r.verdict.value for r in h.guard.reports))
 
     def set_mode(mode: str) -> None:
-        h.guard.__dict__.pop("claim", None)  # the session's own claims (batched takes them)
-        set_hooks(hooks, mode in ("on", "seam", "batched"))  # schedule, update_from_output
+        set_hooks(hooks, mode == "on")
         if mode == "bare":
             for obj, name, _ in hooks:
                 setattr(obj, name, passthrough(getattr(type(obj), name).__get__(obj)))
-        if mode == "seam":
-            lifecycle_seam(hooks, h.guard.ledger)
-        if mode == "batched":
-            batched_seam(hooks, h.guard)
-        if mode in HOOK_GROUPS:  # one group alone (a fresh ledger each round: see below)
-            set_hooks([x for x in hooks if x[1] in HOOK_GROUPS[mode]], True)
         timed(sched, samples, tags, h.guard if mode not in ("off", "bare") else None)
-
-    partial = any(m in HOOK_GROUPS for m in modes)
-    """A group alone leaves the ledger short of the others' events: every round then starts
-    from a fresh ledger (the pool is drained and its prefix cache reset, so a fresh ledger
-    is the true one), in every mode alike."""
 
     for mode in modes:
         set_mode(mode)
@@ -459,10 +250,6 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         # Both modes run each seed from the same pool state: an empty prefix cache (else
         # the second run of a seed would hit the blocks the first one cached).
         h.engine.reset_prefix_cache()
-        if partial:
-            h.guard.ledger.reset()
-            if h.guard.online is not None:
-                h.guard.online.restart()  # its suspects refer to the old records
         before = {k: h.vllm_metric(k) for k in COUNTERS}
         run_round(h, int(words[1]))
         reply({"us": [x / 1000 for x in samples],
@@ -549,31 +336,8 @@ def self_time(h: Any, hooks: list[tuple[Any, str, Any]], rounds: int) -> dict[st
             "kvguard_us_per_step": sum(acc[1:]) / n_steps / 1000, "rows": rows}
 
 
-def _start_pair(env: dict[str, str], tmp: Path, pair: int) -> dict[str, Worker]:
-    """Both sides of one process pair, built at once (one per core)."""
-    sides: dict[str, Worker] = {}
-    errors: list[BaseException] = []
-
-    def start(k: str) -> None:
-        try:
-            sides[k] = Worker(__file__, [k], env, tmp / f"{k}-{pair}.log")
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(k,)) for k in ("on", "off")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for w in sides.values():
-            w.close()
-        raise errors[0]
-    return sides
-
-
 def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
-                   floor: bool = False, seam: bool = False, batched: bool = False,
+                   floor: bool = False,
                    processes: int = TOGGLE_PROCESSES,
                    seconds: float = TOGGLE_SECONDS,
                    seconds_env: str = "KVGUARD_BENCH_MIX_TOGGLE_SECONDS") -> dict[str, Any]:
@@ -582,20 +346,11 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
     of wall time (:class:`RoundBudget`); then kvguard's own time per hook in the first one
     (``self_time``), and what its drained audits said in each. ``floor``: each round also
     runs with :func:`passthrough` wrappers (ABC, CBA), which splits the ratio into the
-    interception's (bare / off) and kvguard's work's (on / bare). ``seam`` (instead):
-    each round also runs the lifecycle-only seam (:func:`lifecycle_seam`); reported: its
-    ratio to the engine alone and, per round, to kvguard as it ships (what the seam
-    would save). ``batched`` (instead): the same with allocations read from each step's
-    batch (:func:`batched_seam`), reported under that name. Only kvguard's own hooks are
-    clocked (``self_time``), where the time of the pool hooks the seam takes out shows."""
-    what_if = "seam" if seam else "batched" if batched else None
-    modes = (MODES if floor else SEAM_MODES if seam else BATCHED_MODES if batched
-             else ("on", "off"))
+    interception's (bare / off) and kvguard's work's (on / bare)."""
+    modes = MODES if floor else ("on", "off")
     per_round: list[float] = []
     per_round_bare: list[float] = []
     per_round_work: list[float] = []
-    per_round_seam: list[float] = []
-    per_round_saved: list[float] = []
     per_process: list[float] = []
     us: dict[str, list[float]] = {m: [] for m in modes}
     mismatched = 0
@@ -629,9 +384,6 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                 if floor:
                     per_round_bare.append(mean_of["bare"] / mean_of["off"])
                     per_round_work.append(mean_of["on"] / mean_of["bare"])
-                if what_if:
-                    per_round_seam.append(mean_of[what_if] / mean_of["off"])
-                    per_round_saved.append(mean_of[what_if] / mean_of["on"])
             per_process.append(statistics.fmean(mine["on"]) / statistics.fmean(mine["off"]))
             for k in us:
                 us[k] += mine[k]
@@ -663,202 +415,39 @@ def measure_toggle(env: dict[str, str], tmp: Path, *, self_time: bool = True,
                         "work_mean_ratio": work_mean, "work_interval_half": work_half,
                         "per_round_bare_ratio": per_round_bare,
                         "per_round_work_ratio": per_round_work, "bare_us": stats(us["bare"])}
-    if what_if:
-        seam_mean, seam_half = t_interval(per_round_seam)
-        vs_mean, vs_half = t_interval(per_round_saved)
-        out[what_if] = {"mean_ratio": seam_mean, "interval_half": seam_half,
-                        "per_round_ratio": per_round_seam, "us": stats(us[what_if]),
-                        "vs_shipped_mean_ratio": vs_mean, "vs_shipped_interval_half": vs_half,
-                        "per_round_vs_shipped_ratio": per_round_saved}
     return out
 
 
-def measure_groups(env: dict[str, str], tmp: Path, *,
-                   processes: int = TOGGLE_PROCESSES) -> dict[str, Any]:
-    """kvguard's cost split by hook group with no clock in its code: one engine per process,
-    each round run with kvguard whole, each group of :data:`HOOK_GROUPS` alone, and none
-    (:data:`GROUP_MODES` in turn, then reversed), ``TOGGLE_MIN_ROUNDS`` to ``TOGGLE_ROUNDS``
-    rounds within ``TOGGLE_SECONDS``. Reported per mode: the mean of the per-round ratios
-    of mean step time to the engine's alone, with its 95 % interval."""
-    ratios: dict[str, list[float]] = {m: [] for m in GROUP_MODES if m != "off"}
-    mismatched = 0
-    verdicts: collections.Counter[str] = collections.Counter()
-    double_frees = 0
-    hook_errors: collections.Counter[str] = collections.Counter()
-    for p in range(processes):
-        w = Worker(__file__, ["toggle", *GROUP_MODES], env, tmp / f"groups-{p}.log")
-        try:
-            budget = RoundBudget("KVGUARD_BENCH_MIX_TOGGLE_SECONDS", TOGGLE_SECONDS,
-                                 min_rounds=min(TOGGLE_MIN_ROUNDS, TOGGLE_ROUNDS),
-                                 max_rounds=TOGGLE_ROUNDS, step=2)
-            r = 0
-            while budget.more(r):
-                r += 1
-                seed = 700 + p * TOGGLE_ROUNDS + r
-                got: dict[str, dict[str, Any]] = {}
-                for k in (GROUP_MODES if r % 2 else GROUP_MODES[::-1]):
-                    out = w.ask(f"run {seed} {k}")
-                    assert isinstance(out, dict)
-                    got[k] = out
-                off = got["off"]
-                if any(len(g["us"]) != len(off["us"]) or g["vllm"] != off["vllm"]
-                       for g in got.values()):
-                    mismatched += 1
-                for k in ratios:
-                    ratios[k].append(statistics.fmean(got[k]["us"])
-                                     / statistics.fmean(off["us"]))
-            out = w.ask("verdicts")
-            assert isinstance(out, dict)
-            verdicts.update(out["verdicts"])
-            double_frees += out["double_frees"]
-            hook_errors.update(out["hook_errors"])
-        finally:
-            w.close()
-    modes = {}
-    for k, xs in ratios.items():
-        mean, half = t_interval(xs)
-        modes[k] = {"mean_ratio": mean, "interval_half": half, "per_round_ratio": xs}
-    return {"modes": modes, "groups": {k: list(v) for k, v in HOOK_GROUPS.items()},
-            "rounds": len(ratios["on"]), "processes": processes,
-            "rounds_mismatched": mismatched, "verdicts": dict(verdicts),
-            "double_frees": double_frees, "hook_errors": dict(hook_errors)}
-
-
 def main() -> None:
-    os.environ.setdefault("VLLM_PLUGINS", "kvguard")
-    tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-"))
-    # One hash seed for both: vLLM iterates sets of request ids, so two processes with
-    # different seeds schedule differently (measured: 25 % more steps on one side).
-    # And the request ids vLLM gives the engine without its random 8-character suffix,
-    # which would order the batches differently on the two sides.
-    same = {"PYTHONHASHSEED": "0", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"}
-    us: dict[str, list[float]] = {"on": [], "off": []}
-    tags: dict[str, list[str]] = {"on": [], "off": []}
-    per_round: list[dict[str, float]] = []
-    per_pair: list[float] = []
-    gc_us: dict[str, float] = {"on": 0.0, "off": 0.0}
-    gc_n: dict[str, int] = {"on": 0, "off": 0}
-    vllm: dict[str, dict[str, float]] = {"on": {}, "off": {}}
-    events: dict[str, int] = {}
-    for pair in range(PAIRS):
-        sides = _start_pair(same, tmp, pair)
-        pair_us: dict[str, list[float]] = {"on": [], "off": []}
-        try:
-            for r in range(1, ROUNDS + 1):
-                seed = pair * ROUNDS + r
-                got: dict[str, list[float]] = {}
-                for k in (("on", "off") if seed % 2 else ("off", "on")):
-                    out = sides[k].ask(f"run {seed}")
-                    assert isinstance(out, dict)
-                    got[k] = out["us"]
-                    pair_us[k] += out["us"]
-                    gc_us[k] += out["gc_us"]
-                    gc_n[k] += out["gc_collections"]
-                    tags[k] += out["tags"]
-                per_round.append({
-                    "pair": float(pair),
-                    "mean_ratio": statistics.fmean(got["on"]) / statistics.fmean(got["off"]),
-                    "median_ratio": statistics.median(got["on"]) / statistics.median(got["off"]),
-                    "steps_on": float(len(got["on"])), "steps_off": float(len(got["off"]))})
-            for k in sides:
-                summary = sides[k].ask("summary")
-                assert isinstance(summary, dict)
-                for name, value in summary["vllm"].items():
-                    vllm[k][name] = vllm[k].get(name, 0.0) + value
-                for name, n in summary["events"].items():
-                    events[name] = events.get(name, 0) + n
-        finally:
-            for w in sides.values():
-                w.close()
-        per_pair.append(statistics.fmean(pair_us["on"]) / statistics.fmean(pair_us["off"]))
-        for k in us:
-            us[k] += pair_us[k]
-    toggle = measure_toggle(same, tmp, floor=True)
+    env, tmp = _alone()
+    toggle = measure_toggle(env, tmp, floor=True)
     # The same with the opt-in checkpoint pace: what it buys on a workload that drains
     # every round (not the defaults).
-    paced = measure_toggle(same | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
+    paced = measure_toggle(env | {"KVGUARD_CHECKPOINT_MIN_INTERVAL_SECONDS": PACED_INTERVAL},
                            tmp, self_time=False, processes=PACED_PROCESSES,
                            seconds=PACED_SECONDS,
                            seconds_env="KVGUARD_BENCH_MIX_PACED_SECONDS")
-    print(f"same engine, checkpoint pace {PACED_INTERVAL} s: {paced['mean_ratio']:.4f} +- "
-          f"{paced['interval_half']:.4f}; drains let go {paced['drains_unaudited']}, "
-          f"verdicts {paced['verdicts']}")
     print(f"same engine, hooks in/out: {toggle['mean_ratio']:.4f} +- "
           f"{toggle['interval_half']:.4f} over {toggle['rounds']} rounds "
-          f"({toggle['rounds_mismatched']} with different work); kvguard's own time "
-          f"{toggle['self_time'].get('kvguard_us_per_step', 0):.1f} us per step")
-    s = {k: stats(v) for k, v in us.items()}
-    mean_ratio = s["on"]["mean"] / s["off"]["mean"]
-    median_ratio = s["on"]["median"] / s["off"]["median"]
-    # What the slowest 1 % of steps are, and how much of the total they carry.
-    tails = {}
-    for k in us:
-        order = sorted(range(len(us[k])), key=us[k].__getitem__, reverse=True)
-        top = order[: max(1, len(order) // 100)]
-        kinds: dict[str, int] = {}
-        for i in top:
-            kind = tags[k][i] or "plain"
-            kinds[kind] = kinds.get(kind, 0) + 1
-        ckpt = [us[k][i] for i, t in enumerate(tags[k]) if t == "checkpoint"]
-        tails[k] = {"slowest_1pct_share_of_time": sum(us[k][i] for i in top) / sum(us[k]),
-                    "slowest_1pct_kinds": kinds, "checkpoint_steps": len(ckpt),
-                    "checkpoint_us": stats(ckpt or [0.0]),
-                    "checkpoint_share_of_time": sum(ckpt) / sum(us[k])}
-    pair_mean, pair_half = t_interval(per_pair)
-    print(f"every step: mean {s['on']['mean']:.1f} vs {s['off']['mean']:.1f} us "
-          f"(ratio {mean_ratio:.4f}); median ratio {median_ratio:.4f}; steps "
-          f"{len(us['on'])} vs {len(us['off'])}; per process pair {per_pair} "
-          f"(mean {pair_mean:.4f} +- {pair_half:.4f}); gc inside steps "
-          f"{ {k: round(gc_us[k] / sum(us[k]), 4) for k in us} } of the time, {gc_n} "
-          f"collections; {events}; {vllm}")
-    save("step_mix", {
-        "with_us": s["on"], "without_us": s["off"], "mean_ratio": mean_ratio,
-        "median_ratio": median_ratio, "per_round": per_round, "tails": tails,
-        "rounds": ROUNDS * PAIRS, "pairs": PAIRS, "rounds_per_pair": ROUNDS,
-        "per_pair_mean_ratio": per_pair,
-        "gc_share_of_time": {k: gc_us[k] / sum(us[k]) for k in us}, "gc_collections": gc_n,
-        "pair_mean_ratio": pair_mean,
-        "pair_interval_half": pair_half, "target_mean_ratio": 1.02, "events": events,
-        "vllm_on": vllm["on"], "vllm_off": vllm["off"], "toggle": toggle,
-        "toggle_paced": paced | {"interval_seconds": float(PACED_INTERVAL)}})
+          f"({toggle['rounds_mismatched']} with different work); checkpoint pace "
+          f"{PACED_INTERVAL} s: {paced['mean_ratio']:.4f} +- {paced['interval_half']:.4f}")
+    save("step_mix", {"target_mean_ratio": 1.02, "toggle": toggle,
+                      "toggle_paced": paced | {"interval_seconds": float(PACED_INTERVAL)}})
 
 
 def _alone() -> tuple[dict[str, str], Path]:
-    """What a same-engine measurement run alone needs: the plugin, one hash seed and plain
-    request ids (as :func:`main`), and a directory for the workers' logs."""
+    """What a measurement needs: the plugin, one hash seed and plain request ids (vLLM
+    iterates sets of request ids, and its random id suffix would order the batches
+    differently from round to round), and a directory for the workers' logs."""
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
     return ({"PYTHONHASHSEED": "0", "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1"},
             Path(tempfile.mkdtemp(prefix="kvguard-bench-mix-")))
 
 
-def _what_if(key: str, words: str, result: dict[str, Any]) -> None:
-    """Save a what-if's result as ``step_mix_<key>`` and say it in a line."""
-    save(f"step_mix_{key}", result)
-    w = result[key]
-    print(f"kvguard {result['mean_ratio']:.4f} +- {result['interval_half']:.4f}, {words} "
-          f"{w['mean_ratio']:.4f} +- {w['interval_half']:.4f} (against kvguard "
-          f"{w['vs_shipped_mean_ratio']:.4f} +- {w['vs_shipped_interval_half']:.4f}) over "
-          f"{result['rounds']} rounds; verdicts {result['verdicts']}", flush=True)
-    os._exit(0)
-
-
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "worker" and sys.argv[2] == "toggle":
         toggle_worker(tuple(sys.argv[3:]) or MODES)
-    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(sys.argv[2])
     elif sys.argv[1:] == ["toggle"]:  # the same-engine measurement alone (minutes, not tens)
         print(json.dumps(measure_toggle(*_alone(), floor=True), indent=1))
-    elif sys.argv[1:] == ["seam"]:  # the what-if of the lifecycle-only seam (minutes)
-        _what_if("seam", "lifecycle-only seam", measure_toggle(*_alone(), seam=True))
-    elif sys.argv[1:] == ["groups"]:  # the cost by hook group, no clock in kvguard (minutes)
-        result = measure_groups(*_alone())
-        save("step_mix_groups", result)
-        print("; ".join(f"{k} {v['mean_ratio']:.4f} +- {v['interval_half']:.4f}"
-                        for k, v in result["modes"].items())
-              + f" over {result['rounds']} rounds; verdicts {result['verdicts']}", flush=True)
-        os._exit(0)
-    elif sys.argv[1:] == ["batched"]:  # the what-if of allocations read per step (minutes)
-        _what_if("batched", "batched", measure_toggle(*_alone(), batched=True))
     else:
         main()

@@ -41,15 +41,9 @@ both sides at the same moments:
 - ``server``: two real OpenAI servers on 127.0.0.1, one with kvguard and one with
   ``KVGUARD_ENABLED=0``, driven by the official ``openai`` client (``AsyncOpenAI``, 128
   concurrent completions), one repetition each in turn.
-- ``inproc-sync`` / ``inproc-async`` (two worker processes running ``LLM.generate``, one
-  with kvguard and one without) and ``same-engine-sync`` / ``-async`` (one engine, its
-  hooks taken out for every other repetition), one repetition each in turn: the earlier
-  designs, kept for comparison. A process carries a bias of its own (two kvguard-off
-  processes measured 1.09x and 0.95x against each other in the step-mix benchmark), which
-  the ``inproc-*`` interval does not cover.
 
-In the modes that alternate whole repetitions, the order alternates per pair (ABBA) and
-the per-pair throughput ratio (on / off) is the sample. Pairs are added until the 95 %
+The server mode alternates whole repetitions, the order alternating per pair (ABBA); the
+per-pair throughput ratio (on / off) is its sample. Pairs are added until the 95 %
 interval of the mean ratio is within +-0.5 % (``interleaved-*``: each process, past 10
 pairs) or the mode's time budget (``KVGUARD_BENCH_THROUGHPUT_SECONDS``, default 90 s per
 mode) is spent; the interval reached is reported either way. Target: mean >= 0.99.
@@ -59,17 +53,14 @@ mode) is spent; the interval reached is reported either way. Target: mean >= 0.9
 run); ``KVGUARD_BENCH_THROUGHPUT_MODES`` names others. The server's two sides are two
 processes measured one after the other, so its interval stays about as wide as this VM's
 noise (+-30 % at 80 s); kvguard runs in its engine core, which the interleaved modes
-measure. A longer run of any mode goes to its own result file:
-``KVGUARD_BENCH_THROUGHPUT_RESULT=throughput_long KVGUARD_BENCH_THROUGHPUT_SECONDS=1200
-KVGUARD_BENCH_THROUGHPUT_MODES=same-engine-sync`` reached +-1.0 % in 146 pairs on
-2026-12-03 (6.3 % per pair), where one interleaved process reaches +-0.5 % in 10-14
-pairs (about 1 % per pair).
+measure. The earlier designs (``inproc-*``: two processes; ``same-engine-*``: one
+engine's hooks in and out per repetition; their long run, ``throughput_long``) are
+results now (``bench/results/what_if.md``, with the commit that measured them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import statistics
 import sys
@@ -79,7 +70,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
-from common import Worker, kvguard_hooks, reply, save, set_hooks, t_interval
+from harness import (
+    Pairs,
+    Worker,
+    across_processes,
+    kvguard_hooks,
+    reply,
+    save,
+    set_hooks,
+    t_interval,
+)
 
 REQUESTS = 128
 PREFIX_TOKENS = 64
@@ -102,15 +102,12 @@ target 5)."""
 MAX_PAIRS = 400
 RESULT = os.environ.get("KVGUARD_BENCH_THROUGHPUT_RESULT", "throughput")
 """The result file's name (``bench/results/RESULT.json``): ``throughput`` for the run of
-``./scripts/bench``; ``throughput_long`` for the long run of one mode (20 minutes, more
-than the whole benchmark run may take), which narrows the interval as far as this VM's
-noise allows."""
+``./scripts/bench``; another name for a longer or repeated run of some modes."""
 TARGET_HALF_WIDTH = 0.005
 CONTROL_BURN_US = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_BURN_US", "70"))
 """The ``interleaved-control-*`` modes' known cost: a busy wait of this many microseconds
 after every step of the treated engine (about 2 % of a step of this workload here)."""
-MODES = ("inproc-sync", "inproc-async", "same-engine-sync", "same-engine-async",
-         "interleaved-sync", "interleaved-async", "interleaved-control-sync",
+MODES = ("interleaved-sync", "interleaved-async", "interleaved-control-sync",
          "interleaved-control-async", "server")
 DEFAULT_MODES = ("interleaved-control-sync", "interleaved-sync", "interleaved-async", "server")
 SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
@@ -126,7 +123,7 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def spec_for(model_dir: Path, scheduling: str) -> Any:
-    from kvguard.demo.engine import EngineSpec
+    from kvguard.testing.engine import EngineSpec
 
     return EngineSpec(model_dir=model_dir, num_gpu_blocks_override=POOL_BLOCKS,
                       max_model_len=512, max_num_seqs=MAX_SEQS, max_num_batched_tokens=4096,
@@ -139,8 +136,8 @@ def _warm_llm(scheduling: str, model_dir: str) -> Any:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    from kvguard.demo.scheduling import Scheduling, requesting_async
-    from kvguard.demo.warmup import warm_up_engine
+    from kvguard.testing.scheduling import Scheduling, requesting_async
+    from kvguard.testing.warmup import warm_up_engine
 
     kwargs = spec_for(Path(model_dir), scheduling).engine_kwargs()
     kwargs.pop("async_scheduling", None)
@@ -151,46 +148,6 @@ def _warm_llm(scheduling: str, model_dir: str) -> Any:
         llm = LLM(**kwargs)
     warm_up_engine(llm.llm_engine)
     return llm
-
-
-def _repetition(llm: Any, seed: int) -> dict[str, float]:
-    """One repetition of the workload: its wall time (s) and output tokens."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
-    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(seed)]
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    return {"seconds": dt, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-
-
-def worker(scheduling: str, model_dir: str) -> None:
-    """One side: an ``LLM`` in this process; one repetition per ``run SEED`` on stdin."""
-    llm = _warm_llm(scheduling, model_dir)
-    reply("ready")
-    for line in sys.stdin:
-        reply(_repetition(llm, int(line.split()[1])))
-    os._exit(0)
-
-
-def toggle_worker(scheduling: str, model_dir: str) -> None:
-    """One ``LLM`` with kvguard; each ``run SEED on|off`` runs a repetition with its hooks
-    in place or taken out."""
-    from kvguard.demo.engine import scheduler_of
-
-    llm = _warm_llm(scheduling, model_dir)
-    hooks = kvguard_hooks(scheduler_of(llm.llm_engine))
-    if not hooks:
-        raise RuntimeError("kvguard's hooks are not installed on this engine")
-    reply("ready")
-    for line in sys.stdin:
-        _, seed, mode = line.split()
-        set_hooks(hooks, mode == "on")
-        llm.reset_prefix_cache()  # neither side hits the blocks the other cached
-        reply(_repetition(llm, int(seed)))
-    os._exit(0)
 
 
 def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: int, *,
@@ -259,7 +216,7 @@ def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: in
 def interleave_worker(scheduling: str, model_dir: str) -> None:
     """Two ``LLM``s with kvguard in this process; each ``run SEED ON HOOKED BURN_US`` runs
     one repetition on both, stepped in turn, the treatment on engine ON (0 or 1) only."""
-    from kvguard.demo.engine import scheduler_of
+    from kvguard.testing.engine import scheduler_of
 
     llms = [_warm_llm(scheduling, model_dir) for _ in range(2)]
     hooks = [kvguard_hooks(scheduler_of(llm.llm_engine)) for llm in llms]
@@ -290,51 +247,8 @@ same: the ratio must be 1), and a busy wait of known length (the ratio must be t
 its share of the treated engine's time gives)."""
 
 
-class _Pairs:
-    """The samples of one treatment: per pair, the geometric mean of its two repetitions'
-    throughput ratios (treated / untreated), so that a speed difference between the two
-    engines cancels."""
-
-    def __init__(self) -> None:
-        self.ratios: list[float] = []
-        self.engine_ratios: list[float] = []
-        self.seconds: dict[bool, list[float]] = {True: [], False: []}
-        self.gc_share: dict[bool, list[float]] = {True: [], False: []}
-        self.steps: list[int] = []
-
-    def add(self, got: dict[int, dict[str, Any]]) -> None:
-        for on, out in got.items():
-            self.steps.append(out["steps"][0])
-            for i in (0, 1):
-                self.seconds[i == on].append(out["seconds"][i])
-                self.gc_share[i == on].append(out["gc_seconds"][i] / out["seconds"][i])
-        # throughput treated / untreated in each repetition: untreated time over treated
-        r0 = got[0]["seconds"][1] / got[0]["seconds"][0]
-        r1 = got[1]["seconds"][0] / got[1]["seconds"][1]
-        self.ratios.append(math.sqrt(r0 * r1))
-        self.engine_ratios.append(math.sqrt(r1 / r0))  # engine 0's time over engine 1's
-
-    def done(self) -> bool:
-        return (len(self.ratios) >= MIN_INTERLEAVED_PAIRS
-                and t_interval(self.ratios)[1] <= TARGET_HALF_WIDTH)
-
-    def row(self, mode: str) -> dict[str, Any]:
-        mean, half = t_interval(self.ratios)
-        tps = {k: REQUESTS * OUTPUT_TOKENS / statistics.median(v)
-               for k, v in self.seconds.items()}
-        return {"mode": mode, "pairs": len(self.ratios), "mean_ratio": mean,
-                "ci95_half_width": half, "median_ratio": statistics.median(self.ratios),
-                "ratios": self.ratios,
-                "tokens_per_second_on": tps[True], "tokens_per_second_off": tps[False],
-                "seconds_on": self.seconds[True], "seconds_off": self.seconds[False],
-                "engine_time_ratio": statistics.fmean(self.engine_ratios),
-                "gc_share_on": statistics.fmean(self.gc_share[True]),
-                "gc_share_off": statistics.fmean(self.gc_share[False]),
-                "steps_per_repetition": statistics.median(self.steps)}
-
-
 def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment, ...],
-                         model_dir: Path, log: Path, budget_seconds: float) -> dict[str, _Pairs]:
+                         model_dir: Path, log: Path, budget_seconds: float) -> dict[str, Pairs]:
     """One worker process of an ``interleaved-*`` mode: pairs of each treatment in turn
     until every treatment's interval is within the target's width (past
     ``MIN_INTERLEAVED_PAIRS``), or ``budget_seconds`` are spent (past ``MIN_PAIRS``)."""
@@ -342,7 +256,8 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
                     {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
                      "KVGUARD_RUN_DIR": str(log.parent / f"run-{log.stem}")}, log)
     expected = REQUESTS * OUTPUT_TOKENS
-    pairs = {t.name: _Pairs() for t in treatments}
+    pairs = {t.name: Pairs(REQUESTS * OUTPUT_TOKENS, MIN_INTERLEAVED_PAIRS, TARGET_HALF_WIDTH)
+             for t in treatments}
     try:
         for t in treatments:  # untimed: caches warm with each treatment on each engine
             for on in (0, 1):
@@ -370,32 +285,6 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
     finally:
         worker.close()
     return pairs
-
-
-def across_processes(mode: str, per_process: list[dict[str, Any]]) -> dict[str, Any]:
-    """An ``interleaved-*`` mode's row from its processes' rows: the mean of the process
-    means, with the 95 % interval over them (Student's t, one sample per process). A
-    process carries a bias of its own (where its code and data landed in memory), which
-    its pairs cannot show: one process's interval is narrower than the spread between
-    processes. The pairs, times and shares are pooled."""
-    means = [r["mean_ratio"] for r in per_process]
-    mean, half = t_interval(means)
-    pooled: dict[str, Any] = {"mode": mode, "mean_ratio": mean, "ci95_half_width": half,
-                              "processes": len(per_process), "process_means": means,
-                              "process_half_widths": [r["ci95_half_width"]
-                                                      for r in per_process]}
-    ratios = [x for r in per_process for x in r["ratios"]]
-    pooled.update(pairs=len(ratios), ratios=ratios, median_ratio=statistics.median(ratios))
-    for k in ("seconds_on", "seconds_off"):
-        pooled[k] = [x for r in per_process for x in r[k]]
-    for k in ("engine_time_ratio", "gc_share_on", "gc_share_off"):
-        pooled[k] = statistics.fmean(r[k] for r in per_process)
-    for k, side in (("tokens_per_second_on", "seconds_on"),
-                    ("tokens_per_second_off", "seconds_off")):
-        pooled[k] = REQUESTS * OUTPUT_TOKENS / statistics.median(pooled[side])
-    pooled["steps_per_repetition"] = statistics.median(
-        r["steps_per_repetition"] for r in per_process)
-    return pooled
 
 
 def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, object]:
@@ -434,7 +323,7 @@ def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, obje
         _print_interleaved(per_process[-1])
     if len(per_process) == 1:  # KVGUARD_BENCH_THROUGHPUT_PROCESSES=1: its pairs' interval
         return per_process[0]
-    row = across_processes(mode, per_process)
+    row = across_processes(mode, per_process, REQUESTS * OUTPUT_TOKENS)
     print(f"{mode}: over {PROCESSES} processes {row['mean_ratio']:.4f} +- "
           f"{row['ci95_half_width']:.4f} (process means "
           + ", ".join(f"{m:.4f}" for m in row["process_means"]) + ")", flush=True)
@@ -456,56 +345,13 @@ def _print_interleaved(row: dict[str, Any]) -> None:
         print(f"{row['mode']}: {one(row)}", flush=True)
 
 
-class SameEngine:
-    """Both sides of a ``same-engine-*`` mode: one worker, kvguard's hooks in or out."""
-
-    def __init__(self, mode: str, model_dir: Path, log: Path) -> None:
-        self.worker = Worker(__file__, ["toggle", mode.removeprefix("same-engine-"),
-                                        str(model_dir)],
-                             {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
-                              "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}")}, log)
-
-    def side(self, enabled: bool) -> Any:
-        return _ToggledSide(self.worker, enabled)
-
-
-class _ToggledSide:
-    def __init__(self, worker: Worker, enabled: bool) -> None:
-        self.worker, self.enabled = worker, enabled
-
-    def run(self, seed: int) -> tuple[float, int]:
-        out = self.worker.ask(f"run {seed} {'on' if self.enabled else 'off'}")
-        assert isinstance(out, dict)
-        return float(out["seconds"]), int(out["tokens"])
-
-    def close(self) -> None:
-        if self.enabled:
-            self.worker.close()
-
-
-class InProcessSide:
-    def __init__(self, mode: str, model_dir: Path, enabled: bool, log: Path) -> None:
-        self.worker = Worker(__file__, [mode.removeprefix("inproc-"), str(model_dir)],
-                             {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
-                              "KVGUARD_RUN_DIR": str(log.parent / f"run-{mode}-{int(enabled)}")},
-                             log)
-
-    def run(self, seed: int) -> tuple[float, int]:
-        out = self.worker.ask(f"run {seed}")
-        assert isinstance(out, dict)
-        return float(out["seconds"]), int(out["tokens"])
-
-    def close(self) -> None:
-        self.worker.close()
-
-
 # ------------------------------------------------------------------ server side
 class ServerSide:
     def __init__(self, model_dir: Path, enabled: bool, log: Path) -> None:
         import httpx2  # the HTTP client of openai 3.x
         from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
-        from kvguard.demo.engine import ServerProcess
+        from kvguard.testing.engine import ServerProcess
 
         env = {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
                "KVGUARD_RUN_DIR": str(log.parent / f"run-server-{int(enabled)}")}
@@ -581,7 +427,7 @@ def measure(mode: str, make: Callable[[bool], Any]) -> dict[str, object]:
 
 
 def main() -> None:
-    from kvguard.demo.tiny_model import make_tiny_model
+    from kvguard.testing.tiny_model import make_tiny_model
 
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-bench-tput-"))
@@ -597,14 +443,8 @@ def main() -> None:
         if mode == "server":
             rows.append(measure(mode, lambda on: ServerSide(model_dir, on,
                                                             tmp / f"server-{int(on)}.log")))
-        elif mode.startswith("interleaved-"):
-            rows.append(measure_interleaved(mode, model_dir, tmp / f"{mode}.log"))
-        elif mode.startswith("same-engine-"):
-            engine = SameEngine(mode, model_dir, tmp / f"{mode}.log")
-            rows.append(measure(mode, engine.side))
         else:
-            rows.append(measure(mode, lambda on, m=mode: InProcessSide(
-                m, model_dir, on, tmp / f"{m}-{int(on)}.log")))
+            rows.append(measure_interleaved(mode, model_dir, tmp / f"{mode}.log"))
     save(RESULT, {"rows": rows, "target_mean_ratio": 0.99,
                   "target_ci95_half_width": TARGET_HALF_WIDTH,
                   "workload": {"requests": REQUESTS, "prefix_tokens": PREFIX_TOKENS,
@@ -615,11 +455,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "toggle"]:
-        toggle_worker(sys.argv[3], sys.argv[4])
-    elif len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "interleave"]:
+    if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "interleave"]:
         interleave_worker(sys.argv[3], sys.argv[4])
-    elif len(sys.argv) > 1 and sys.argv[1] == "worker":
-        worker(sys.argv[2], sys.argv[3])
     else:
         main()

@@ -9,16 +9,26 @@ so a dropped one loses nothing but intermediate values).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import save, stats
-from factories_path import state_for_bench
+from harness import save, stats
 
 from kvguard.transport.publisher import StatePublisher
+from kvguard.transport.state import EngineState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "sidecar"))
 
 OFFERS = 20_000
+
+
+def state_for_bench() -> EngineState:
+    """A realistic engine state: 64 reports of history (the sidecar tests' factories)."""
+    from factories import report, state
+
+    return state([report(i, holding=i % 3) for i in range(1, 65)])
 
 
 def run(slow_seconds: float) -> dict[str, object]:

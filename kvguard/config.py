@@ -3,7 +3,7 @@
 Settings are read once, when the plugin installs itself in an engine process
 (or when a CLI command starts), never at import time. Every field below has an
 environment variable of the same name, upper-cased, with the ``KVGUARD_``
-prefix; the README lists them.
+prefix; docs/operator-guide.md lists them.
 """
 
 from __future__ import annotations

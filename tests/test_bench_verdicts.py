@@ -1,6 +1,6 @@
 """The benchmarks' arithmetic: BENCHMARKS.md's verdicts (targets 1, 7 and 8's measured rows)
-are computed from their numbers, and the interleaved pairing cancels a speed difference
-between its two engines.
+and the what-if studies' (``bench/results/what_if.md``) are computed from their numbers,
+and the interleaved pairing cancels a speed difference between its two engines.
 
 Synthetic repetitions with a known treatment cost and a known engine bias are the ground
 truth here: these functions only do arithmetic, which no engine run could check as
@@ -23,7 +23,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
 def _module(name: str) -> ModuleType:
-    sys.path.insert(0, str(BENCH))  # the scripts import their ``common`` module
+    sys.path.insert(0, str(BENCH))  # the scripts import their ``harness`` module
     try:
         spec = importlib.util.spec_from_file_location(f"kvguard_bench_{name}",
                                                       BENCH / f"{name}.py")
@@ -35,7 +35,9 @@ def _module(name: str) -> ModuleType:
         sys.path.remove(str(BENCH))
 
 
-run_all = _module("run_all")
+harness = _module("harness")
+report = _module("report")
+whatif = _module("whatif")
 throughput = _module("bench_throughput")
 
 
@@ -51,7 +53,7 @@ def _repetition(on: int, *, cost: float, engine0_slower: float, jitter: float) -
 
 
 def test_pairing_cancels_engine_bias_and_machine_speed() -> None:
-    pairs = throughput._Pairs()
+    pairs = harness.Pairs(throughput.REQUESTS * throughput.OUTPUT_TOKENS, 10, 0.005)
     for jitter in (1.0, 1.3, 0.8, 1.1):
         got = {on: _repetition(on, cost=1.02, engine0_slower=1.05,
                                jitter=jitter * (1.07 if on else 1.0))
@@ -76,7 +78,7 @@ def test_pairing_cancels_engine_bias_and_machine_speed() -> None:
 def test_throughput_verdict_follows_the_numbers(mean: float, half: float,
                                                 expected: str) -> None:
     row = {"mean_ratio": mean, "ci95_half_width": half, "ratios": [mean - half, mean + half]}
-    assert run_all._throughput_verdict(row, 0.99, 0.005).startswith(expected)
+    assert harness.throughput_verdict(row, 0.99, 0.005).startswith(expected)
 
 
 def _control(null: tuple[float, float], burn: tuple[float, float],
@@ -85,7 +87,7 @@ def _control(null: tuple[float, float], burn: tuple[float, float],
         return {"mean_ratio": m, "ci95_half_width": h, "pairs": 11}
     row = {"mode": "interleaved-control-sync", "burn_us_per_step": 70.0,
            "burn_expected_ratio": expected, "null": side(*null), "burn": side(*burn)}
-    cell: str = run_all._throughput_control_row(row, 0.005).rsplit("|", 2)[1]
+    cell: str = report.throughput_control_row(row, 0.005).rsplit("|", 2)[1]
     return cell.strip()
 
 
@@ -108,12 +110,13 @@ def _process_row(mean: float, half: float) -> dict[str, Any]:
 def test_judged_over_processes_not_over_their_pairs() -> None:
     # Three processes, each sure of itself to +-0.1 %, that disagree by about 0.5 %:
     # the interval is the processes' (t with 2 degrees of freedom), not the pairs'.
-    row = throughput.across_processes(
-        "interleaved-async", [_process_row(m, 0.001) for m in (0.985, 0.990, 0.995)])
+    row = harness.across_processes(
+        "interleaved-async", [_process_row(m, 0.001) for m in (0.985, 0.990, 0.995)],
+        throughput.REQUESTS * throughput.OUTPUT_TOKENS)
     assert row["mean_ratio"] == pytest.approx(0.990)
     assert row["ci95_half_width"] == pytest.approx(4.303 * 0.005 / 3 ** 0.5, rel=1e-3)
     assert row["pairs"] == 30 and row["processes"] == 3
-    verdict = run_all._throughput_verdict(row, 0.99, 0.005)
+    verdict = harness.throughput_verdict(row, 0.99, 0.005)
     assert verdict.startswith("**not resolved**") and "processes" in verdict
 
 
@@ -138,7 +141,7 @@ def _seam_result(seam: float, half: float, verdicts: dict[str, int]) -> dict[str
 ])
 def test_seam_what_if_row_follows_its_numbers(seam: float, half: float,
                                               verdicts: dict[str, int], expected: str) -> None:
-    (row,) = run_all._seam_row_of(_seam_result(seam, half, verdicts), 1.02)
+    (row,) = whatif.seam_row_of(_seam_result(seam, half, verdicts), 1.02)
     verdict = row.rsplit("|", 2)[1]
     assert expected in verdict
     # The pool hooks' share is summed from the clocked rows, the claims left out.
@@ -163,7 +166,7 @@ def _groups_result(life: float, *, verdicts: dict[str, int] | None = None) -> di
 ])
 def test_groups_row_judges_each_group_alone_by_its_interval(result: dict[str, Any],
                                                             expected: str) -> None:
-    (row,) = run_all._groups_row_of(result, 1.02)
+    (row,) = whatif.groups_row_of(result, 1.02)
     assert expected in row.rsplit("|", 2)[1]
     # What the groups add up to, from their own ratios: 1 + (life - 1) + 0.05 + 0.025.
     life = result["modes"]["life"]["mean_ratio"]
@@ -191,7 +194,7 @@ def _batched_result(batched: float, half: float, *, double_frees: int = 0,
 ])
 def test_batched_what_if_row_is_valid_only_with_every_release_matched(
         result: dict[str, Any], expected: str) -> None:
-    (row,) = run_all._batched_row_of(result, 1.02)
+    (row,) = whatif.batched_row_of(result, 1.02)
     assert expected in row.rsplit("|", 2)[1]
     assert f"releases of a block not held {result['double_frees']}" in row
 
@@ -225,7 +228,7 @@ def _compiled_result(*, compiled_suffix: str = ".so", mismatched: int = 0,
 ])
 def test_compiled_what_if_row_is_valid_only_when_compiled_code_did_the_same_work(
         kwargs: dict[str, Any], valid: bool) -> None:
-    (row,) = run_all._compiled_row_of(_compiled_result(**kwargs), 1.02)
+    (row,) = whatif.compiled_row_of(_compiled_result(**kwargs), 1.02)
     verdict = row.rsplit("|", 2)[1]
     assert ("not valid" in verdict) is not valid
     assert "**0.850x** +- 0.030" in row
@@ -250,7 +253,7 @@ def _release(vllm: str, *, mismatched: int = 0, leak: int = 0) -> dict[str, Any]
 ])
 def test_releases_row_is_valid_only_with_the_same_work_and_no_leak(
         releases: list[dict[str, Any]], valid: bool) -> None:
-    (row,) = run_all._releases_row_of({"releases": releases, "requests": 48}, 1.02)
+    (row,) = report.releases_row_of({"releases": releases, "requests": 48}, 1.02)
     verdict = row.rsplit("|", 2)[1]
     assert ("not valid" in verdict) is not valid
     assert ("every round the same work" in row) is not any(r["rounds_mismatched"]
@@ -261,13 +264,13 @@ def test_releases_row_is_valid_only_with_the_same_work_and_no_leak(
 def test_median_interval_is_the_binomial_order_statistics() -> None:
     # The ranks every table gives (40 rounds: the 14th and 27th; 100: the 40th and 61st),
     # and the exact coverage they promise, computed here from the binomial itself.
-    assert run_all.median_interval(list(range(1, 41))) == (14, 27)
-    assert run_all.median_interval(list(range(100, 0, -1))) == (40, 61)
+    assert harness.median_interval(list(range(1, 41))) == (14, 27)
+    assert harness.median_interval(list(range(100, 0, -1))) == (40, 61)
     n, k = 40, 14
     coverage = sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2 ** n
     assert coverage >= 0.95
     assert sum(math.comb(n, i) for i in range(k + 1, n - k)) / 2 ** n < 0.95  # the narrowest
-    assert run_all.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: the range
+    assert harness.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: the range
 
 
 @pytest.mark.parametrize(("shift", "expected"), [
@@ -275,4 +278,24 @@ def test_median_interval_is_the_binomial_order_statistics() -> None:
 def test_target_1_is_judged_by_the_medians_interval(shift: float, expected: str) -> None:
     # 40 rounds spread +-2 % around ``shift``: the interval's side of 1.02 decides.
     xs = [shift + 0.001 * (i - 20) for i in range(40)]
-    assert run_all._median_verdict(xs, 1.02).startswith(expected)
+    assert harness.median_verdict(xs, 1.02).startswith(expected)
+
+
+def test_benchmarks_md_is_rendered_from_the_committed_results() -> None:
+    # BENCHMARKS.md is what ``bench/run_all.py --render`` writes: no figure typed by hand,
+    # and its first table stays one line per row, one short cell each.
+    text = (BENCH.parent / "BENCHMARKS.md").read_text()
+    assert text == report.render()
+    assert (BENCH / "results" / "what_if.md").read_text() == whatif.render()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert table and all(len(cell) <= 120 for line in table for cell in line.split("|"))
+
+
+def test_the_demos_end_to_end_figure_is_the_benchmarks() -> None:
+    # ``kvguard demo`` quotes the end-to-end cost at the defaults: it must be what target
+    # 7's committed interleaved rows measure, to the two places the demo prints.
+    from kvguard.demo.run import END_TO_END_AT_DEFAULTS
+
+    rows = [r for r in report.load("throughput")["rows"]
+            if r["mode"] in ("interleaved-sync", "interleaved-async")]
+    assert rows and all(round(r["mean_ratio"], 2) == END_TO_END_AT_DEFAULTS for r in rows)

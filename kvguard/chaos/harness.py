@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence
-from kvguard.demo.engine import (
+from kvguard.errors import KvguardError
+from kvguard.testing.engine import (
     EngineSpec,
     batches_in_flight,
     build_engine,
     scheduler_of,
     scheduling_of,
 )
-from kvguard.demo.scheduling import Scheduling
-from kvguard.errors import KvguardError
+from kvguard.testing.scheduling import Scheduling
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
@@ -54,8 +54,8 @@ def prompt(seed: int, n: int) -> list[int]:
 class EngineHarness:
     """One engine, its scheduler, its block pool and the kvguard guard on it.
 
-    :func:`~kvguard.demo.engine.build_engine` has run its warm-up request (a long
-    first prompt, see :mod:`kvguard.demo.warmup`), so the guard already holds the
+    :func:`~kvguard.testing.engine.build_engine` has run its warm-up request (a long
+    first prompt, see :mod:`kvguard.testing.warmup`), so the guard already holds the
     drained checkpoint it took then; :meth:`reports` and everything built on it
     start after that one.
     """

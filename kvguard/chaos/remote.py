@@ -16,8 +16,8 @@ import httpx
 from kvguard.chaos.result import ScenarioResult, Status, summarize
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Verdict
-from kvguard.demo.workload import run_workload
 from kvguard.sidecar.models import ReportsResponse
+from kvguard.testing.workload import run_workload
 
 DRAIN_WAIT_SECONDS = 120.0
 

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import LeakCause, LeakPath, Verdict
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 
 class Status(enum.StrEnum):
@@ -35,7 +35,7 @@ class ScenarioResult(BaseModel):
     name: str
     scheduling: Scheduling = Scheduling.SYNC
     """How the engine the scenario ran on really scheduled, read from vLLM's EngineCore
-    (:func:`kvguard.demo.engine.scheduling_of`); the mode asked for when no engine could
+    (:func:`kvguard.testing.engine.scheduling_of`); the mode asked for when no engine could
     be built."""
     injected: str
     reproduces: str = ""

@@ -23,7 +23,7 @@ from kvguard.chaos.scenarios import NotExercised, Scenario, matrix
 from kvguard.chaos.truth import PoolTruth, disagreement
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 from kvguard.vllm_plugin.request_ids import client_request_id
 
 SCENARIO_TIMEOUT_SECONDS = 240.0
@@ -79,7 +79,7 @@ def score(s: Scenario, report: CheckpointReport, truth: PoolTruth | None = None,
 def scenarios_for(workdir: Path) -> tuple[Path, dict[str, Scenario]]:
     """The main model's directory and every scenario, with the draft and hybrid models
     they need created under ``workdir``."""
-    from kvguard.demo.tiny_model import make_draft_model, make_hybrid_model, make_tiny_model
+    from kvguard.testing.tiny_model import make_draft_model, make_hybrid_model, make_tiny_model
 
     model = make_tiny_model(workdir / "model")
     found = matrix(make_draft_model(workdir / "model"), make_hybrid_model(workdir / "model"))
@@ -92,7 +92,7 @@ def build_for(s: Scenario, model: Path,
     injects the scenario's faults in vLLM's own paths; its ``AsyncScheduler`` twin for
     async scheduling), with the scenario's settings."""
     from kvguard.chaos.faults import FaultPlan, scheduler_cls_for
-    from kvguard.demo.engine import EngineSpec
+    from kvguard.testing.engine import EngineSpec
 
     overrides: dict[str, object] = {"model_dir": model, "scheduling": scheduling, **s.engine}
     overrides["extra"] = {**dict(s.engine.get("extra", {})),  # type: ignore[call-overload]

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from kvguard.chaos.runner import RESULT_PREFIX, run_in_this_process
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 
 def main(argv: list[str]) -> int:

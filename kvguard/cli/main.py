@@ -1,6 +1,6 @@
 """``kvguard`` command line: ``report``, ``sidecar``, ``chaos`` and ``demo``.
 
-Every option also reads a ``KVGUARD_*`` environment variable (see README).
+Every option also reads a ``KVGUARD_*`` environment variable (see docs/operator-guide.md).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvguard.config import KvguardConfig
-from kvguard.demo.scheduling import Scheduling
 from kvguard.errors import KvguardError
+from kvguard.testing.scheduling import Scheduling
 from kvguard.transport.reader import read_run_dir
 
 if TYPE_CHECKING:

@@ -1,1 +1,1 @@
-"""Demo fixtures: a tiny local Llama model and a real vLLM engine or server built on it."""
+"""``kvguard demo``: a tiny real vLLM server with kvguard, an injected leak, a verdict."""

@@ -13,6 +13,10 @@ own name, e.g. ``_created``, or a name the legacy character set does not admit, 
 the library escapes) is written by ``generate_latest`` itself, so the output is always
 what the library would write. ``tests/sidecar/test_exposition.py`` compares the two
 byte for byte.
+
+Kept for benchmark target 3 (GET /metrics < 10 ms, 8 engines): measured again on
+2026-12-06 on ``bench/bench_scrape.py``'s 441 samples, ``generate_latest`` took 2.6 ms
+at best and 5.7 ms as median on this shared 2-core VM, this writer 0.8 ms.
 """
 
 from __future__ import annotations

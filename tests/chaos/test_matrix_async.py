@@ -20,7 +20,7 @@ import pytest
 
 from kvguard.chaos.result import ScenarioResult, Status, mode_disagreements, verdict_key
 from kvguard.chaos.scenarios import matrix
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 CPU_UNSUPPORTED = {"offload_connector"}
 

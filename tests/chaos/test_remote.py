@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 
-from kvguard.demo.engine import EngineSpec, ServerProcess
-from kvguard.demo.ports import free_loopback_port
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.ports import free_loopback_port
+from kvguard.testing.tiny_model import make_tiny_model
 
 
 def test_chaos_against_a_running_deployment_reads_the_verdict_from_its_sidecar(

@@ -21,8 +21,12 @@ from typing import Any
 import yaml
 from _netns import Node, TwoNodes, entered
 
-from kvguard.demo.engine import ServerProcess
-from kvguard.demo.pd_pair import START_TIMEOUT_SECONDS, THREAD_LIMITS, nixl_spec
+from kvguard.testing.engine import ServerProcess
+
+PD_DIR = Path(__file__).resolve().parents[1] / "pd"
+"""The P/D pair and its proxy live with their tests (``tests/pd``), not in the package."""
+sys.path.insert(0, str(PD_DIR))
+from pd_pair import START_TIMEOUT_SECONDS, THREAD_LIMITS, nixl_spec  # noqa: E402
 
 WAIT_SECONDS = 180.0
 """The longest any one wait may take on 2 loaded cores."""
@@ -169,13 +173,14 @@ def sidecar(node: Node, run_dir: Path, work: Path) -> NodeProcess:
 
 
 def proxy(node: Node, prefill_url: str, decode_url: str, work: Path) -> NodeProcess:
-    """The P/D proxy (``kvguard.demo.pd_proxy.create_proxy``) as its own server on
+    """The P/D proxy (``tests/pd/pd_proxy.py``'s ``create_proxy``) as its own server on
     ``node``: it forwards the client's ``traceparent`` to both halves."""
-    code = ("import sys, uvicorn; from kvguard.demo.pd_proxy import create_proxy; "
+    code = ("import sys, uvicorn; sys.path.insert(0, sys.argv[5]); "
+            "from pd_proxy import create_proxy; "
             "uvicorn.run(create_proxy(sys.argv[1], sys.argv[2]), host=sys.argv[3], "
             "port=int(sys.argv[4]), log_level='warning')")
     return NodeProcess(node, [sys.executable, "-c", code, prefill_url, decode_url,
-                              node.address, str(PROXY_PORT)],
+                              node.address, str(PROXY_PORT), str(PD_DIR)],
                        work / "logs" / "proxy.log",
                        ready_url=f"http://{node.address}:{PROXY_PORT}/docs")
 

@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 
 from kvguard.cli.main import build_parser
 from kvguard.config import KvguardConfig
-from kvguard.demo.ports import free_loopback_port
+from kvguard.testing.ports import free_loopback_port
 
 DOCKER = DEPLOY / "docker"
 ENGINE = DOCKER / "engine.Dockerfile"

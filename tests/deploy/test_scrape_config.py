@@ -38,7 +38,7 @@ from _deploy import (
     the_object,
 )
 
-from kvguard.demo.ports import free_loopback_port
+from kvguard.testing.ports import free_loopback_port
 
 TOKEN = "test-control-token"
 NAMESPACE = "inference"

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.kv_events.digest import block_key
+from kvguard.testing.engine import EngineSpec, ServerProcess
 from kvguard.transport.reader import read_run_dir
 from kvguard.transport.state import EngineState
 

@@ -41,14 +41,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.cli.main import main as cli_main
 from kvguard.cli.render import render_kv_events
-from kvguard.demo.ports import free_loopback_port
-from kvguard.demo.tiny_model import make_tiny_model
 from kvguard.kv_events.verdict import FIRST_BLOCKS, KvEventsCheck, KvEventsVerdict
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.kv_events import KvEventsWatch
 from kvguard.sidecar.metrics import ENGINE_LABELS
 from kvguard.sidecar.models import ReportsResponse
 from kvguard.sidecar.store import EngineStore
+from kvguard.testing.ports import free_loopback_port
+from kvguard.testing.tiny_model import make_tiny_model
 from kvguard.transport.state import EngineState
 
 ENGINE_LABELS_SORTED = sorted(ENGINE_LABELS)

@@ -96,7 +96,7 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_kv_events_batches_lost_total": _m("counter", *ENGINE, kv_events=True),
     "kvguard_kv_events_replays_total": _m("counter", *ENGINE, kv_events=True),
 }
-# The sidecar's own operational series: documented in the README, no dashboard panel needed.
+# The sidecar's own operational series: in docs/operator-guide.md, no dashboard panel.
 OPERATIONAL: dict[str, Metric] = {
     "kvguard_engine_info": _m("gauge", *ENGINE, "epoch", "kvguard_version", "engine_kind",
                               "engine_version", "metrics_contract"),

@@ -56,12 +56,12 @@ from _pd_replay import PdReplay, publish_state, serve_vllm
 from _pd_replay import phases as pd_phases
 
 from kvguard.chaos.faults import SCHEDULER_CLS
-from kvguard.demo.engine import EngineSpec, ServerProcess
-from kvguard.demo.ports import free_loopback_port
 from kvguard.demo.run import fault_fired, wait_for_checkpoint
-from kvguard.demo.tiny_model import WORDS, make_tiny_model
-from kvguard.demo.warmup import WARMUP_PROMPT_TOKENS
-from kvguard.demo.workload import rank_headers, run_workload
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.ports import free_loopback_port
+from kvguard.testing.tiny_model import WORDS, make_tiny_model
+from kvguard.testing.warmup import WARMUP_PROMPT_TOKENS
+from kvguard.testing.workload import rank_headers, run_workload
 
 PROMETHEUS_READY_TIMEOUT_S = 15.0
 POD = "obs-pod-0"

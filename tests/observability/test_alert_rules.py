@@ -140,7 +140,7 @@ def _rule_metric_names() -> set[str]:
 
 
 def test_a_pd_rule_joins_vllms_own_counter_on_the_pod_model_and_engine() -> None:
-    """vLLM's NIXL counter joins kvguard's series on the labels README documents."""
+    """vLLM's NIXL counter joins kvguard's series on the labels docs/operator-guide.md documents."""
     (rule,) = [a for a in load_alerts() if a["alert"] == "KvguardKvReadAfterExpiryNotSeen"]
     assert "vllm:nixl_num_notifications_after_expiry_total" in rule["expr"]
     assert "on (namespace, pod, model_name, engine)" in rule["expr"]

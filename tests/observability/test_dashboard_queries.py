@@ -319,7 +319,7 @@ def test_every_alert_is_silent_on_saturation_while_the_leak_alert_fires(
         assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
 
 
-# The join README's "Joining vLLM's series" documents: kvguard's series carry vLLM's own
+# The join of "Joining vLLM's series" (docs/operator-guide.md): kvguard's series carry vLLM's own
 # model_name and engine, and the scrape's pod label comes with both targets.
 VLLM_JOIN = ("vllm:kv_cache_usage_perc * on(pod, model_name, engine) "
              "group_left(engine_name) kvguard_pool_capacity_blocks")

@@ -39,11 +39,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.core.state import EngineState
 from kvguard.core.types import LeakCause, LeakPath, Verdict
-from kvguard.demo.engine import EngineSpec, ServerProcess
-from kvguard.demo.ports import free_loopback_port
 from kvguard.demo.run import fault_fired
-from kvguard.demo.tiny_model import WORDS, make_tiny_model
-from kvguard.demo.workload import cancel_mid_stream
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.ports import free_loopback_port
+from kvguard.testing.tiny_model import WORDS, make_tiny_model
+from kvguard.testing.workload import cancel_mid_stream
 from kvguard.transport.reader import read_run_dir
 from kvguard.vllm_plugin.idle import IDLE_LABEL
 

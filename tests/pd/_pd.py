@@ -10,10 +10,10 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
+from pd_pair import PdPair
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.core.state import EngineState
-from kvguard.demo.pd_pair import PdPair
 from kvguard.transport.reader import read_run_dir
 
 WAIT_SECONDS = 180.0
@@ -110,7 +110,7 @@ def first_transfer(pair: PdPair) -> None:
     handshake with the prefill engine's NIXL side channel, whose reply vLLM waits for 5 s
     at most (``zmq.RCVTIMEO``, ``nixl/base_worker.py``); on 2 loaded cores it has come too
     late, and vLLM failed that request (HTTP 500, "KV load failure")."""
-    from kvguard.demo.pd_proxy import pd_complete
+    from pd_proxy import pd_complete
 
     for attempt in range(HANDSHAKE_TRIES):
         try:

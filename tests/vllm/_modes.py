@@ -7,7 +7,7 @@ from typing import Any
 
 from kvguard.chaos.faults import SCHEDULER_CLS, scheduler_cls_for
 from kvguard.chaos.harness import EngineHarness as Harness
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 
 def in_mode(make: Callable[..., Harness], scheduling: Scheduling) -> Callable[..., Harness]:

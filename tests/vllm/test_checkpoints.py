@@ -12,7 +12,7 @@ from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
 from kvguard.core.types import FinishReason, LeakCause, LeakPath, Verdict
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 from kvguard.vllm_plugin.pool_reader import request_block_ids
 
 

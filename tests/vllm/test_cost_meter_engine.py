@@ -19,7 +19,7 @@ from _modes import in_mode
 
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 BURN_NS = 3_000_000
 """Time burned per allocation event (3 ms): far above kvguard's own cost per event, so

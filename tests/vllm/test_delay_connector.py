@@ -58,8 +58,8 @@ from kvguard.chaos.delay_connector import (
     DelayedFreeConnectorMetadata,
     DelayedFreeSettings,
 )
-from kvguard.demo.warmup import warm_up_engine
 from kvguard.errors import ConfigError
+from kvguard.testing.warmup import warm_up_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.kv_connector, pytest.mark.timeout(180)]
 

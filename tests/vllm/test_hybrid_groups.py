@@ -29,8 +29,8 @@ from kvguard.chaos.harness import EngineHarness, prompt
 from kvguard.chaos.result import Status
 from kvguard.chaos.runner import build_for, fault_victims, scenarios_for, score, scored_report
 from kvguard.core.types import Verdict
-from kvguard.demo.engine import EngineSpec
-from kvguard.demo.tiny_model import SLIDING_WINDOW_TOKENS, make_hybrid_model, make_sliding_model
+from kvguard.testing.engine import EngineSpec
+from kvguard.testing.tiny_model import SLIDING_WINDOW_TOKENS, make_hybrid_model, make_sliding_model
 
 BLOCK = 32
 assert SLIDING_WINDOW_TOKENS == 2 * BLOCK, "the workloads below are sized for a 2-block window"

@@ -23,7 +23,7 @@ from kvguard.chaos.harness import prompt
 from kvguard.chaos.sustained import SustainedLoad
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 
 @pytest.fixture(params=list(Scheduling), ids=str)

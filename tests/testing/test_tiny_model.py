@@ -18,7 +18,8 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.v1.engine.llm_engine import LLMEngine
 
-from kvguard.demo.engine import (
+from kvguard.errors import ConfigError
+from kvguard.testing.engine import (
     EngineSpec,
     ServerProcess,
     ServerStartError,
@@ -26,14 +27,13 @@ from kvguard.demo.engine import (
     scheduler_of,
     shutdown_engine,
 )
-from kvguard.demo.tiny_model import VOCAB_SIZE, make_draft_model, make_tiny_model
-from kvguard.demo.warmup import (
+from kvguard.testing.tiny_model import VOCAB_SIZE, make_draft_model, make_tiny_model
+from kvguard.testing.warmup import (
     WARMUP_MAX_TOKENS,
     WARMUP_PROMPT_TOKENS,
     WARMUP_REQUESTS,
     warmup_cached_blocks,
 )
-from kvguard.errors import ConfigError
 
 MAX_TOKENS = 8
 MAX_STEPS = 200
@@ -146,7 +146,7 @@ def test_server_args_spell_the_spec_as_vllm_flags(tmp_path: Path) -> None:
 def test_async_scheduling_is_asked_for_on_the_command_line_and_in_the_servers_env(
     tmp_path: Path,
 ) -> None:
-    from kvguard.demo.scheduling import ASYNC_ENV, SITE_DIR, Scheduling, server_env
+    from kvguard.testing.scheduling import ASYNC_ENV, SITE_DIR, Scheduling, server_env
 
     sync = EngineSpec(tmp_path / "m")
     asynchronous = EngineSpec(tmp_path / "m", scheduling="async")  # type: ignore[arg-type]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvguard.demo import ports
-from kvguard.demo.ports import LOWEST_PORT, ephemeral_low, free_loopback_port
+from kvguard.testing import ports
+from kvguard.testing.ports import LOWEST_PORT, ephemeral_low, free_loopback_port
 
 
 def test_ports_come_from_below_the_kernels_ephemeral_range_and_bind() -> None:

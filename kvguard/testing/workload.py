@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvguard.demo.tiny_model import WORDS
-from kvguard.demo.warmup import DATA_PARALLEL_RANK_HEADER
+from kvguard.testing.tiny_model import WORDS
+from kvguard.testing.warmup import DATA_PARALLEL_RANK_HEADER
 
 SHARED_PREFIX_WORDS = 70
 """Words shared by every prefix-phase prompt: two full 32-token KV blocks and then some."""

@@ -7,8 +7,8 @@ prompt (``"hello world"``), and never when the first one has about 100 tokens
 model runs in bfloat16, for which vLLM's CPU attention picks its AMX kernels,
 and only a long first prefill runs code that requests the process's AMX state
 before those kernels use it. So every engine
-(:func:`~kvguard.demo.engine.build_engine`) and every server
-(:class:`~kvguard.demo.engine.ServerProcess`) runs :data:`WARMUP_PROMPT_TOKENS`
+(:func:`~kvguard.testing.engine.build_engine`) and every server
+(:class:`~kvguard.testing.engine.ServerProcess`) runs :data:`WARMUP_PROMPT_TOKENS`
 tokens through the model before the caller's first request.
 
 What the warm-up leaves behind, for tests that count:

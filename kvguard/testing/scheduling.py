@@ -17,7 +17,7 @@ Server mode: :func:`server_env` puts :data:`SITE_DIR` (a ``sitecustomize.py`` th
 installs the wrapper as soon as ``vllm.platforms.cpu`` is imported) first on
 ``PYTHONPATH`` so the override applies in the API server, EngineCore and worker
 processes, and the server gets ``--async-scheduling``
-(:meth:`kvguard.demo.engine.EngineSpec.engine_kwargs`).
+(:meth:`kvguard.testing.engine.EngineSpec.engine_kwargs`).
 
 Nothing here imports vLLM at module import time.
 """

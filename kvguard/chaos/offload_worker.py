@@ -163,6 +163,8 @@ class TorchCpuOffloadingWorker(OffloadingWorker):
         self._submitted = [0, 0]  # stores, loads
         self._arm = [0, 0]
         self.steps = 0
+        self.fenced_jobs = 0
+        """Jobs still in flight that vLLM fenced (``wait``): re-allocation or preemption."""
         self.bytes_copied = [0, 0]
         _created += 1
         self.created_seq = _created
@@ -228,6 +230,7 @@ class TorchCpuOffloadingWorker(OffloadingWorker):
         for job_id in job_ids:
             job = self._by_id.get(job_id)
             if job is not None:
+                self.fenced_jobs += 1
                 self._copy(job)
                 if not job.lost:
                     job.steps_left = 0

@@ -219,11 +219,13 @@ def drive_store_lost(h: EngineHarness) -> str:
     h.add(prompt(5300, PREFIX_TOKENS), max_tokens=4, rid="lost-store")
     h.run_to_completion()
     _evict_prefix(h, 5400)  # re-allocates the fenced blocks: each flushes the lost job
-    h.drain_scheduler()
+    # Not drain_scheduler(): with async scheduling the engine keeps a (empty) batch in
+    # flight for the pending job, so it never drains.
+    h.step_until(lambda: not h.scheduler.requests)
     h.add(prompt(5300, PREFIX_TOKENS), max_tokens=4, rid="waits")
     bound = h.guard.offload.bound_seconds if h.guard.offload is not None else 0.0
-    h.step_until(lambda: _stuck_with_waiters(h), max_steps=10**6, pause_seconds=0.005,
-                 max_seconds=bound + 20)
+    h.step_until(lambda: _stuck_with_waiters(h),
+                 max_steps=10**6, pause_seconds=0.005, max_seconds=bound + 20)
     cs = connector_scheduler(h)
     waiting = [r.request_id for r in h.scheduler.waiting]
     pool_free = h.pool.get_num_free_blocks()

@@ -169,7 +169,7 @@ def run_in_this_process(name: str, workdir: Path,
     base = base.model_copy(update={"scheduling": h.scheduling})  # what vLLM really ran
     try:
         evidence = s.drive(h)
-        report = scored_report(s, h)
+        report = h.latest_drained() if s.never_drains else scored_report(s, h)
         truth = h.pool_truth()
     except NotExercised as exc:
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
@@ -179,10 +179,24 @@ def run_in_this_process(name: str, workdir: Path,
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
                                        "why": f"{type(exc).__name__}: {exc}"[:300],
                                        "seconds": time.monotonic() - t0})
+    offload = h.guard.poll_offload()
+    if report is None:  # never_drains, and it did not: no drained verdict to score
+        alarms = [r for r in h.reports() if r.leaks]
+        status, why = (Status.FAILED, "false alarm: " + summarize(alarms[-1])[0]) if alarms \
+            else (Status.PASSED, "")
+        if status is Status.PASSED and s.offload is not None:
+            status, why = score_offload(s.offload, offload)
+        concluded = f"no drained checkpoint; offload {offload.verdict.value}" \
+            if offload is not None else "no drained checkpoint"
+        return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
+                                       "evidence": evidence,
+                                       "seconds": time.monotonic() - t0})
     status, why = score(s, report, truth, fault_victims(h))
     if status is Status.PASSED and s.offload is not None:
-        status, why = score_offload(s.offload, h.guard.poll_offload())
+        status, why = score_offload(s.offload, offload)
     concluded, leaks = summarize(report)
+    if offload is not None and offload.verdict is not OffloadVerdict.OK:
+        concluded += f"; offload {offload.verdict.value}"
     return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
                                    "evidence": evidence, "verdict": report.verdict,
                                    "leaks": leaks, "seconds": time.monotonic() - t0})

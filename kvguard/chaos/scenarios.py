@@ -70,6 +70,11 @@ class Scenario:
     reproduces: str = ""
     """Which real report (design.md section 5) this scenario stands for."""
     offload: ExpectedOffload | None = None
+    never_drains: bool = False
+    """The fault keeps the engine from ever draining again (with async scheduling there is
+    always a batch in flight after it, so no drained checkpoint at all after the warm-up):
+    the pool is scored on the latest drained report when there is one; without one, only
+    on no report since the warm-up claiming a leak. The offload audit is scored as usual."""
     """Scenarios on an offloading connector: what kvguard's offload audit must say."""
     may_be_unsupported: bool = False
     """If the engine cannot be built with this configuration, report ``unsupported`` with
@@ -514,6 +519,7 @@ def _offload_scenarios() -> list[Scenario]:
                  "arrives (no block leaks; the engine never idles; a same-prefix request "
                  "waits for ever)", o.drive_store_lost,
                  engine=o.offload_engine(), delayed_free_bound_seconds=1.0,
+                 never_drains=True,
                  offload=ExpectedOffload(OffloadVerdict.STUCK, JobKind.STORE,
                                          frozenset({"lost-store"}), frozenset({"waits"})),
                  reproduces="vllm #52360 (async store never completes)"),

@@ -16,7 +16,9 @@ What it reads, all on the scheduler side (EngineCore), between steps, with ``get
 
 vLLM does not time its jobs: kvguard stamps a job when it first sees it (its age is
 at least the time since then, at the poll's resolution) and counts the reads since, one
-per poll. State kept here is bounded by the jobs in flight.
+per poll. State kept here is bounded by the jobs in flight. Cost: O(jobs in flight +
+requests the connector tracks) per read, at most every ``TRANSFER_POLL_SECONDS`` at step
+ends; the models are built without validation.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ class VllmOffload:
             fenced = len(getattr(st, "fenced_block_ids", None) or ())
             if finished:
                 fenced += len(getattr(st, "deferred_fence_block_ids", None) or ())
-            jobs.append(OffloadJob(
+            # model_construct: no validation on the engine thread (every field is built
+            # with its type here); hundreds of jobs can be in flight under load.
+            jobs.append(OffloadJob.model_construct(
                 job_id=int(job_id),
                 kind=JobKind.STORE if getattr(st, "is_store", False) else JobKind.LOAD,
                 request_id=rid, client_request_id=self._client(rid),
@@ -88,7 +92,7 @@ class VllmOffload:
             req = getattr(rs, "req", None)
             if started is None or req is None or req.is_finished():
                 continue
-            waiting.append(WaitingRequest(request_id=str(rid),
+            waiting.append(WaitingRequest.model_construct(request_id=str(rid),
                                           client_request_id=self._client(str(rid)),
                                           waited_seconds=max(0.0, now - float(started))))
         return OffloadReading(jobs=jobs, tier=self._tier(), waiting=waiting)

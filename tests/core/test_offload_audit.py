@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from _pool import Harness, RefAdapter
+from _sinks import ListSink
+
+from kvguard.config import KvguardConfig
 from kvguard.core.offload import (
     MAX_LISTED,
     JobKind,
@@ -12,6 +16,8 @@ from kvguard.core.offload import (
     OffloadVerdict,
     WaitingRequest,
 )
+from kvguard.core.session import GuardSession
+from kvguard.core.types import Verdict
 
 
 def job(job_id: int, age: float, kind: JobKind = JobKind.STORE, steps: int = 10,
@@ -68,3 +74,67 @@ def test_reconciliation_at_a_drain() -> None:
     why = audit.reconcile(OffloadReading([job(2, 0.1, JobKind.LOAD, chunks=2)], pinned, []), 3.0)
     assert why is not None and "3 read-pinned" in why
     assert audit.reconcile(OffloadReading([], None, []), 4.0) is None  # no tier counts
+
+
+# ------------------------------------------------------------ in a guard session
+
+class _Source:
+    """An offload source with one store job (or one that fails every read)."""
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail = fail
+        self.reads = 0
+
+    @property
+    def connector(self) -> str:
+        return "OffloadingConnector"
+
+    def read(self) -> OffloadReading:
+        self.reads += 1
+        if self.fail:
+            raise RuntimeError("connector layout changed")
+        return OffloadReading([job(1, 100.0)], TIER, [])
+
+
+class _OffloadAdapter(RefAdapter):
+    def __init__(self, h: Harness, source: _Source) -> None:
+        super().__init__(h)
+        self.source = source
+
+    def offload_source(self) -> _Source:
+        return self.source
+
+
+def _session(source: _Source) -> tuple[GuardSession, ListSink]:
+    h = Harness(64, lazy_claims=True)
+    sink = ListSink()
+    cfg = KvguardConfig.from_env({}, publish_interval_seconds=0.0, online_audit=False,
+                                 offload_job_bound_seconds=5.0)
+    s = GuardSession(_OffloadAdapter(h, source), cfg, engine="ref0", sink=sink)
+    h.ledger = s.ledger
+    r = h.admit()
+    h.allocate(r, 3, hash_mask=[True, True, False], attributed=False)
+    h.drain(attributed=False)
+    s.on_release_done()
+    s.on_step_end()
+    return s, sink
+
+
+def test_a_drained_checkpoint_reconciles_the_tier_and_says_a_job_is_stuck() -> None:
+    s, sink = _session(_Source())
+    report = s.reports[-1]
+    assert report.drained and report.verdict in (Verdict.CLEAN, Verdict.SATURATED)
+    assert "Offload path: 1 offload job(s) in flight past the 5 s bound" in report.explanation
+    offload = sink.states[-1].offload
+    assert offload is not None and offload.verdict is OffloadVerdict.STUCK
+    assert offload.bound_source == "KVGUARD_OFFLOAD_JOB_BOUND_SECONDS"
+    assert offload.tier_checked_at == report.taken_at and offload.tier_mismatch is None
+
+
+def test_a_failing_offload_source_is_contained_and_the_checkpoint_still_judged() -> None:
+    source = _Source(fail=True)
+    s, sink = _session(source)
+    report = s.reports[-1]
+    assert report.drained and report.verdict in (Verdict.CLEAN, Verdict.SATURATED)
+    assert source.reads >= 1 and s.errors.by_hook["offload"] == source.reads
+    assert s.errors.ledger_errors == 0 and sink.states[-1].offload is None

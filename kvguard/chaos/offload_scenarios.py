@@ -24,9 +24,10 @@ from kvguard.chaos.harness import EngineHarness, prompt
 from kvguard.chaos.offload_spec import offload_transfer_config
 from kvguard.chaos.offload_worker import TorchCpuOffloadingWorker, live_workers
 
-__all__ = ["OFFLOAD_ENGINE", "drive_abort_during_load", "drive_load_lost",
+__all__ = ["OFFLOAD_ENGINE", "TIER_OF_3_CHUNKS", "drive_abort_during_load", "drive_load_lost",
            "drive_preemption_with_stores", "drive_reload_after_eviction",
-           "drive_reset_with_stores_in_flight", "drive_store_lost", "offload_engine"]
+           "drive_reset_with_stores_in_flight", "drive_store_lost", "drive_tier_full",
+           "offload_engine"]
 
 PREFIX_TOKENS = 170
 """The shared prompt: 5 full blocks (160 tokens) are stored, then loaded back."""
@@ -35,11 +36,15 @@ FULL_BLOCKS = PREFIX_TOKENS // 32
 OFFLOAD_ENGINE: dict[str, object] = {"num_gpu_blocks_override": 16, "max_model_len": 256}
 
 
-def offload_engine(**faults: object) -> dict[str, object]:
+def offload_engine(cpu_bytes_to_use: int = 8 << 20, **faults: object) -> dict[str, object]:
     """Engine overrides: the small pool and the OffloadingConnector with ``faults``."""
     extra = {f"kvguard_{k}": v for k, v in faults.items()}
     return {**OFFLOAD_ENGINE, "extra": {"kv_transfer_config": offload_transfer_config(
-        8 << 20, **extra)}}
+        cpu_bytes_to_use, **extra)}}
+
+
+TIER_OF_3_CHUNKS = 3 * 16384
+"""A tier of 3 chunks for the tiny model (2 layers x 8,192 B per block, bf16)."""
 
 
 def _not_exercised(msg: str) -> AssertionError:
@@ -189,6 +194,22 @@ def drive_preemption_with_stores(h: EngineHarness) -> str:
         raise _not_exercised(f"{n} preemptions, {stored:g} B stored, {fenced} store jobs "
                              "fenced in flight")
     return f"{n} preemptions, {fenced} store jobs fenced in flight, {stored:g} B stored"
+
+
+def drive_tier_full(h: EngineHarness) -> str:
+    """A 3-chunk tier and a 5-chunk prefix: vLLM's ``prepare_store`` returns None ("cannot
+    store chunks", ``vllm:kv_offload_allocation_failure``); nothing is stuck or leaks."""
+    cs = connector_scheduler(h)
+    capacity = int(cs.manager._num_chunks)
+    fail0 = h.vllm_metric("vllm:kv_offload_allocation_failure")
+    h.add(prompt(5500, PREFIX_TOKENS), max_tokens=4, rid="too-big")
+    h.run_to_completion()
+    _settle_jobs(h)
+    h.drain_scheduler()
+    failures = h.vllm_metric("vllm:kv_offload_allocation_failure") - fail0
+    if capacity >= FULL_BLOCKS or failures <= 0:
+        raise _not_exercised(f"a {capacity}-chunk tier, {failures:g} allocation failures")
+    return f"{failures:g} allocation failures on a {capacity}-chunk tier"
 
 
 def drive_load_lost(h: EngineHarness) -> str:

@@ -506,6 +506,9 @@ def _offload_scenarios() -> list[Scenario]:
                  engine={**o.offload_engine(complete_after_steps=3),
                          "num_gpu_blocks_override": 12},
                  offload=ok, reproduces="vllm #52360 (preemption during an async store)"),
+        Scenario("offload_tier_full", "the offload tier is too small for a prefix (vLLM "
+                 "cannot store its chunks)", o.drive_tier_full,
+                 engine=o.offload_engine(o.TIER_OF_3_CHUNKS), offload=ok),
         Scenario("fault_offload_load_lost", "FAULT: an offload load completion never arrives "
                  "(the request is then aborted)", o.drive_load_lost,
                  verdicts=frozenset({Verdict.LEAK}),

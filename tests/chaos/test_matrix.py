@@ -17,7 +17,7 @@ from kvguard.chaos.scenarios import matrix
 OFFLOAD_WORKER_FAULTS = {"fault_offload_load_lost", "fault_offload_store_lost"}
 
 
-@pytest.mark.timeout(3700)  # 28 scenarios, a fresh engine each, 2 at once: 5 min here
+@pytest.mark.timeout(3700)  # 29 scenarios, a fresh engine each, 2 at once: 5 min here
 def test_every_injected_leak_is_caught_and_no_healthy_scenario_alarms(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     proc = subprocess.run(

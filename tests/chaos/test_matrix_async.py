@@ -36,12 +36,12 @@ ASYNC_PATHS = (
     "offload_abort_during_load", "offload_preemption_stores", "fault_offload_load_lost",
     "fault_offload_store_lost",
 )
-"""What CI runs in async mode (11 of 28). Double frees, skipped frees, ref-count bumps,
+"""What CI runs in async mode (11 of 29). Double frees, skipped frees, ref-count bumps,
 preemption and aborts in flight also run in async mode in the checkpoint and online-audit
 engine modules (tests/vllm/_modes.py); the rest of the matrix runs no path that depends on
 step order (saturation, prefix hits, sliding windows). ``kvguard chaos --scheduling
 async`` runs them all; last full run (before the offload scenarios): 22 passed,
-``offload_connector`` then unsupported. The six offload scenarios pass in both modes."""
+``offload_connector`` then unsupported. The seven offload scenarios pass in both modes."""
 
 
 def _chaos(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str],

@@ -20,10 +20,11 @@ from kvguard.core.session import (
     HookErrors,
     KvEventsSource,
     MemoryAttributor,
+    RequestTraces,
     StateSink,
 )
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
-from kvguard.core.state import CostState, EngineState, OnlineState
+from kvguard.core.state import CostState, EngineState, OnlineState, TracingState
 from kvguard.core.transfer_links import LinkKind, TransferLink, link_transfers
 from kvguard.core.transfers import (
     HazardKind,
@@ -56,6 +57,12 @@ from kvguard.kv_events.mirror import Mirror
 from kvguard.kv_events.snapshot import KvEventsSnapshot, KvEventsState
 from kvguard.kv_events.subscriber import KvEventSubscriber, SubscriberOptions
 from kvguard.kv_events.verdict import KvEventsCheck, KvEventsVerdict, judge
+from kvguard.tracing.config import TracingSettings, tracing_settings
+from kvguard.tracing.context import TraceContext, parse_traceparent
+from kvguard.tracing.queue import SpanQueue
+from kvguard.tracing.records import SpanRecord, TraceIdentity
+from kvguard.tracing.setup import start_tracing
+from kvguard.tracing.tracer import RequestTracer
 from kvguard.transport.reader import read_run_dir
 from kvguard.version import __version__
 
@@ -107,9 +114,17 @@ __all__ = [
     "ProtocolError",
     "ReconcileOptions",
     "Reconciliation",
+    "RequestTracer",
+    "RequestTraces",
+    "SpanQueue",
+    "SpanRecord",
     "StateSink",
     "SubscriberOptions",
     "SweepResult",
+    "TraceContext",
+    "TraceIdentity",
+    "TracingSettings",
+    "TracingState",
     "TransferEvent",
     "TransferEventKind",
     "TransferHazard",
@@ -126,6 +141,9 @@ __all__ = [
     "classify_block",
     "judge",
     "link_transfers",
+    "parse_traceparent",
     "read_run_dir",
     "reconcile",
+    "start_tracing",
+    "tracing_settings",
 ]

@@ -55,6 +55,10 @@ class KvguardConfig:
     audited at the next drain or admission the pace allows (:mod:`kvguard.core.pacing`)."""
     checkpoint_burst: int = 4
     """Drained audits allowed in a row before the interval applies (token bucket size)."""
+    idle_recheck_seconds: float = 3600.0
+    """An engine that stays idle is audited again this long after its last drained
+    checkpoint (then again after as long), so its verdict stays current with no traffic
+    (0: never; an idle engine is then judged only at the drain that made it idle)."""
     publish_interval_seconds: float = 1.0
     """Live counters are handed to the publisher at most this often."""
     history: int = 64
@@ -123,7 +127,8 @@ class KvguardConfig:
                               "a ratio in (0, 1]")
         for name in ("delayed_free_bound_seconds", "offload_job_bound_seconds",
                      "checkpoint_min_interval_seconds",
-                     "publish_interval_seconds", "online_max_pause_seconds"):
+                     "publish_interval_seconds", "online_max_pause_seconds",
+                     "idle_recheck_seconds"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")

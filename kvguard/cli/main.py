@@ -10,16 +10,26 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvguard.config import KvguardConfig
 from kvguard.demo.scheduling import Scheduling
 from kvguard.errors import KvguardError
 from kvguard.transport.reader import read_run_dir
 
+if TYPE_CHECKING:
+    from kvguard.core.transfer_links import TransferLink
+
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from kvguard.cli.render import render_state
 
+    if args.sidecar:
+        if not args.transfers:
+            print("kvguard: --sidecar needs --transfers (the per-engine reports of a sidecar "
+                  "are at its /v1/report and status page)", file=sys.stderr)
+            return 2
+        return _transfers_from_sidecars(args)
     run_dirs = [Path(d) for d in args.run_dir] if args.run_dir else \
         [KvguardConfig.from_env().run_dir]
     states = []
@@ -35,12 +45,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.transfers:
         from kvguard.core.transfer_links import link_transfers
 
-        links = link_transfers({s.engine: s for s in states})
-        if args.json:
-            print(json.dumps([ln.model_dump(mode="json") for ln in links], indent=2))
-        else:
-            print("\n".join(f"{ln.kind.value}: {ln.sentence}" for ln in links)
-                  or "no cross-engine transfer finding")
+        _print_links(link_transfers({s.engine: s for s in states}), as_json=args.json)
         return 0
     if args.json:
         payload = [s.latest_report.model_dump(mode="json") if s.latest_report else
@@ -48,6 +53,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
     else:
         print("\n\n".join(render_state(s) for s in states))
+    return 0
+
+
+def _print_links(links: list[TransferLink], *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([ln.model_dump(mode="json") for ln in links], indent=2))
+    else:
+        print("\n".join(f"{ln.kind.value}: {ln.sentence}" for ln in links)
+              or "no cross-engine transfer finding")
+
+
+def _transfers_from_sidecars(args: argparse.Namespace) -> int:
+    """The cross-engine transfer verdicts joined over several sidecars' HTTP APIs (one per
+    node): exit 2 when one cannot be read."""
+    from kvguard.cli.sidecars import read_sidecars, transfers_by_engine
+    from kvguard.core.transfer_links import link_transfer_states
+
+    try:
+        reports = read_sidecars(args.sidecar)
+    except KvguardError as exc:
+        print(f"kvguard: {exc}", file=sys.stderr)
+        return 2
+    _print_links(link_transfer_states(transfers_by_engine(reports)), as_json=args.json)
     return 0
 
 
@@ -162,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--transfers", action="store_true",
                    help="P/D: judge each request's KV transfer from both of its engines "
                         "(prefill holds for an aborted decode, blocks freed before read)")
+    r.add_argument("--sidecar", action="append",
+                   help="with --transfers: read this kvguard sidecar's /v1/report instead of "
+                        "a run dir; repeat it to join engines on different nodes, e.g. the "
+                        "prefill pod's sidecar and the decode pod's")
     r.set_defaults(func=_cmd_report)
     kv = sub.add_parser("kv-events", help="does each engine's KV-event mirror (what a router "
                         "believes it caches) match its pool? (asks the sidecar)")

@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple, Protocol
 
@@ -49,12 +49,14 @@ from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
 from kvguard.core.pacing import CheckpointPacer
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, OnlineSweepReport, PoolReport
-from kvguard.core.state import EngineState, OnlineState
+from kvguard.core.state import EngineState, OnlineState, TracingState
 from kvguard.core.transfers import (
     TransferEvent,
     TransferEventKind,
+    TransferHazard,
     TransferLog,
     TransferOutcome,
+    TransferRecord,
     TransferRole,
 )
 from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
@@ -118,6 +120,31 @@ class KvEventsSource(Protocol):
         """The stream's counters, with ``snapshot``."""
 
 
+class RequestTraces(Protocol):
+    """kvguard's findings in the requests' own traces (:class:`kvguard.RequestTracer`): set
+    by the engine integration when an OTLP endpoint is configured. Every method runs on the
+    engine's thread, never blocks (export happens on another thread) and is contained."""
+
+    def released(self, request_id: str) -> None:
+        """kvguard no longer tracks the request: forget its trace context."""
+
+    def prune(self, tracked: Callable[[str], bool]) -> None:
+        """Forget the contexts of requests ``tracked`` says are no longer followed."""
+
+    def report(self, report: CheckpointReport) -> None:
+        """A report: a span per leak finding of a traced request, once per finding."""
+
+    def transfer_ended(self, rec: TransferRecord, blocks: int | None) -> None:
+        """A KV transfer ended (``blocks``: the request's blocks then, by the ledger)."""
+
+    def hazard(self, hz: TransferHazard, rec: TransferRecord | None) -> None:
+        """A transfer hazard (``rec``: its transfer, if still kept)."""
+
+    def state(self) -> TracingState: ...
+
+    def close(self) -> None: ...
+
+
 class DrainBlocker(NamedTuple):
     """Why a moment is not drained (:meth:`GuardSession.drain_blocker`)."""
 
@@ -133,7 +160,7 @@ class HookErrors:
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests", "transfers", "checkpoint", "cost_meter",
-                             "idle_wake", "idle", "kv_events", "offload"})
+                             "idle_wake", "idle", "kv_events", "tracing", "offload"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -199,6 +226,11 @@ class GuardSession:
             self.transfers = TransferLog(connector=src.connector, kv_role=src.kv_role,
                                          kv_engine_id=src.kv_engine_id,
                                          hold_source=src.hold_source)
+            self.transfers.on_ended = self._traced_transfer
+            self.transfers.on_hazard = self._traced_hazard
+        self.tracer: RequestTraces | None = None
+        """Findings into the requests' traces (set by the engine integration when an OTLP
+        endpoint is configured; None: off, and no call is made)."""
         self._next_transfer_poll = 0.0
         self._transfer_errors_seen = 0
         self.offload_source = adapter.offload_source()
@@ -227,6 +259,9 @@ class GuardSession:
         hold (a delayed or deferred free) in the way: when that hold's bound passes (Unix
         s). Read at admission (one attribute per request)."""
         self._deferred_seen_at: float | None = None
+        self._last_drained_mono: float | None = None
+        """When the last drained audit ran (monotonic s): an idle engine is audited again
+        ``idle_recheck_seconds`` later."""
         """When deferred frees were first seen pending with nothing in flight (Unix s)."""
         self._next_publish = 0.0
         """When ``on_step_end`` next looks at publishing (monotonic s)."""
@@ -423,6 +458,28 @@ class GuardSession:
         self.drain_pending = True
         if self.transfers is not None:  # a hold that ended without a word from the connector
             self.transfers.ended(request_id, TransferOutcome.RELEASED, at)
+        tracer = self.tracer
+        if tracer is not None:
+            rec = self.ledger.record(request_id)
+            if rec is None or not rec.blocks:  # a request still holding blocks may leak
+                with self.contain("tracing"):
+                    tracer.released(request_id)
+
+    def _traced_transfer(self, rec: TransferRecord) -> None:
+        """The transfer log closed ``rec``: its span, when the request is traced."""
+        tracer = self.tracer
+        if tracer is None:
+            return
+        with self.contain("tracing"):
+            held = self.ledger.record(RequestId(rec.request_id))
+            tracer.transfer_ended(rec, held.num_blocks if held is not None else None)
+
+    def _traced_hazard(self, hz: TransferHazard) -> None:
+        tracer = self.tracer
+        if tracer is None or self.transfers is None:
+            return
+        with self.contain("tracing"):
+            tracer.hazard(hz, self.transfers.get(hz.request_id))
 
     def on_release_done(self) -> None:
         """A finish or free path returned: a drain may follow."""
@@ -595,9 +652,19 @@ class GuardSession:
             with self.contain("transfers"):
                 self.poll_transfers(time.time())
         self.poll_offload()
-        owed = self.pacer.owed_since is not None and self.pacer.ready(time.monotonic())
+        mono = time.monotonic()
+        owed = self.pacer.owed_since is not None and self.pacer.ready(mono)
+        if self._idle_recheck_due(mono):
+            self._checkpoint_requested = True
         if self._checkpoint_requested or self.drain_pending or owed:
             self.maybe_checkpoint()
+
+    def _idle_recheck_due(self, mono: float) -> bool:
+        """An idle engine's last drained audit is ``idle_recheck_seconds`` old (monotonic
+        seconds): audit it again, so that its verdict is current without traffic."""
+        every = self.config.idle_recheck_seconds
+        last = self._last_drained_mono
+        return every > 0 and last is not None and mono - last >= every
 
     def checkpoint_now(self, *, now: float | None = None) -> CheckpointReport:
         """Audit the real pool against the ledger now. Callers make sure it is drained."""
@@ -636,6 +703,11 @@ class GuardSession:
         if offload is not None and offload.verdict is not OffloadVerdict.OK:
             report = report.model_copy(update={"explanation": report.explanation
                                                + "\nOffload path: " + offload.explanation})
+        self._last_drained_mono = time.monotonic()
+        if self.config.idle_recheck_seconds > 0:
+            # Idle from here on, the waker brings on_idle back then (a busy engine drains,
+            # and is audited, before that; the waker keeps only the earliest wake).
+            self._wake_after(self.config.idle_recheck_seconds)
         if self.attributor is not None:
             # Memory attribution, after the pool audit; a failure is contained and counted
             # like a hook error, and the report goes out without its memory sections.
@@ -749,6 +821,13 @@ class GuardSession:
 
     def _record(self, report: CheckpointReport) -> CheckpointReport:
         self.reports.append(report)
+        tracer = self.tracer
+        if tracer is not None:
+            with self.contain("tracing"):
+                tracer.report(report)
+                if report.drained:  # forget contexts of requests the ledger let go of
+                    records = self.ledger.records_map()
+                    tracer.prune(lambda rid: RequestId(rid) in records)
         self.checkpoints_total[report.verdict.value] += 1
         if report.evidence is Evidence.ONLINE:
             self.online_checkpoints_total[report.verdict.value] += 1
@@ -805,9 +884,20 @@ class GuardSession:
             transfers=self.transfers.state() if self.transfers is not None else None,
             cost=self.meter.state() if self.meter.every else None,
             kv_events=self._kv_events_state(),
+            tracing=self._tracing_state(),
             offload=self.offload.last if self.offload is not None else None,
             reports=list(self.reports),
         )
+
+    def _tracing_state(self) -> TracingState | None:
+        tracer = self.tracer
+        if tracer is None:
+            return None
+        try:
+            return tracer.state()
+        except Exception as exc:
+            self.errors.record("tracing", exc)
+            return None
 
     def _kv_events_state(self) -> KvEventsState | None:
         source = self.kv_events
@@ -827,6 +917,9 @@ class GuardSession:
     def close(self) -> None:
         if self.idle_waker is not None:
             self.idle_waker.close()
+        if self.tracer is not None:
+            with self.contain("tracing"):
+                self.tracer.close()
         self.publisher.close()
 
 

@@ -15,19 +15,21 @@ from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 from kvguard.kv_events.snapshot import KvEventsState
 
-STATE_SCHEMA_VERSION = 8
+STATE_SCHEMA_VERSION = 9
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
 kvguard version" instead. 4: ``drains_unaudited_total`` and ``unaudited_drain_at`` (the
 pace of drained audits). 5: ``cost`` (kvguard's own time on the engine thread, metered on a
 sample of steps). 6: ``model_name`` and ``engine_index``, the labels that join kvguard's
-series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: ``transfers.worker_ranks``
-(what kvguard's worker half in each worker process reported: per-rank lease lapses, late
-reads, finished transfers, drops, errors); ``transfers.hold_source`` names where the
-leases came from (a worker process, or EngineCore).
-8: ``kv_events`` (the engine's KV-event stream and its pool's hashed blocks at the last drained
-checkpoint, for the KV-event mirror check)."""
+series with the engine's own (vLLM's ``model_name`` and ``engine``). 7: never released.
+8: ``kv_events`` (the engine's KV-event stream and its pool's hashed blocks at the last
+drained checkpoint, for the KV-event mirror check). 9: ``transfers.worker_ranks`` (what
+kvguard's worker half in each worker process reported: per-rank lease lapses, late reads,
+finished transfers, drops, errors); ``transfers.hold_source`` names where the leases came
+from (a worker process, or EngineCore), built as 7 and released after 8; and ``tracing``
+(kvguard's spans in the requests' traces: where they go, what was queued, dropped,
+exported or failed)."""
 
 
 class OnlineState(BaseModel):
@@ -68,6 +70,39 @@ class CostState(BaseModel):
     windows_skipped_total: int = Field(
         default=0, description="Windows not metered: another wrapper sits over one of "
                                "kvguard's hooks, or the engine side has no metered hooks.")
+
+
+class TracingState(BaseModel):
+    """kvguard's spans in the requests' traces (:mod:`kvguard.tracing`): present when an
+    OTLP endpoint is configured. Counters are since the engine started; spans queued are
+    exported, failed, or still waiting (``spans_exported_total + export_failures_total <=
+    spans_queued_total``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    endpoint: str | None = Field(default=None, description="Where spans go (OTLP).")
+    protocol: str | None = Field(default=None, description="grpc or http/protobuf.")
+    service_name: str = Field(description="The spans' service.name.")
+    traced_requests: int = Field(
+        default=0, description="Requests whose trace context kvguard keeps now (sampled "
+                               "traceparent at admission, not yet released).")
+    contexts_evicted_total: int = Field(
+        default=0, description="Contexts dropped because the bounded map was full.")
+    leak_spans_total: int = Field(default=0, description="kvguard.leak spans queued.")
+    transfer_spans_total: int = Field(default=0, description="kvguard.kv_transfer spans "
+                                                             "queued.")
+    hazard_spans_total: int = Field(default=0, description="kvguard.kv_transfer_hazard spans "
+                                                           "queued.")
+    queue_capacity: int = Field(default=0, description="Spans the export queue holds at most.")
+    spans_queued_total: int = 0
+    spans_dropped_total: int = Field(
+        default=0, description="Spans dropped at the engine thread: the export queue was "
+                               "full (the engine never waits for export).")
+    spans_exported_total: int = Field(default=0, description="Spans the backend took.")
+    export_failures_total: int = Field(
+        default=0, description="Spans in export calls that failed (backend down, refused).")
+    errors_total: int = Field(default=0, description="Failures inside kvguard's tracing, "
+                                                     "contained.")
 
 
 class EngineState(BaseModel):
@@ -122,6 +157,9 @@ class EngineState(BaseModel):
     kv_events: KvEventsState | None = Field(
         default=None, description="The engine's KV-event stream and its pool's hashed blocks "
                                   "(the KV-event mirror check); None when it publishes none.")
+    tracing: TracingState | None = Field(
+        default=None, description="kvguard's spans in the requests' traces; None when no "
+                                  "OTLP endpoint is configured.")
     offload: OffloadState | None = Field(
         default=None, description="The offload path (an offloading KV connector's jobs and "
                                   "tier); None without one.")

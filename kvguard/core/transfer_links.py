@@ -13,10 +13,15 @@ that pair, :func:`link_transfers` says what neither side can say alone:
 - ``read_not_received``: the prefill engine reports the read done, but the decode
   request was aborted still waiting: the completion was lost on the decode side.
 
-This joins JSON states that a reader already has (one sidecar reading both engines'
-state files, or ``kvguard report`` given both run dirs); it is per request and never
-becomes a metric label. Times are Unix seconds from each engine's clock: across
-machines, clock skew shifts ``freed_before_read``'s order (NTP keeps it to milliseconds).
+This joins JSON states that a reader already has: one sidecar reading both engines'
+state files, ``kvguard report --transfers`` given both run dirs, or, across nodes,
+``kvguard report --transfers --sidecar URL --sidecar URL`` reading each node's sidecar
+over HTTP (no shared file). Each engine publishes its last 64 ended records, so the join
+is for what is recent: read it while the finding is live (the trace spans of
+:mod:`kvguard.tracing` keep each side's half for as long as the trace store keeps
+traces). It is per request and never becomes a metric label. Times are Unix seconds
+from each engine's clock: across machines, clock skew shifts ``freed_before_read``'s
+order (NTP keeps it to milliseconds).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Mapping
 from pydantic import BaseModel, ConfigDict
 
 from kvguard.core.state import EngineState
-from kvguard.core.transfers import TransferOutcome, TransferRecord, TransferRole
+from kvguard.core.transfers import TransferOutcome, TransferRecord, TransferRole, TransfersState
 
 EXPIRED = (TransferOutcome.EXPIRED_UNREAD, TransferOutcome.EXPIRED_PARTLY_READ)
 
@@ -62,9 +67,19 @@ def _fmt(at: float | None) -> str:
 
 def link_transfers(states: Mapping[str, EngineState]) -> list[TransferLink]:
     """Every cross-engine verdict in ``states`` (engine name -> its latest state)."""
+    return link_transfer_states({name: st.transfers for name, st in states.items()})
+
+
+def link_transfer_states(transfers: Mapping[str, TransfersState | None]) -> list[TransferLink]:
+    """Every cross-engine verdict among engines' transfer states (engine name -> what it
+    published of its transfers, ``None`` for an engine without a KV connector).
+
+    The states may come from anywhere: one run dir, several, or the ``transfers`` of
+    several sidecars' ``/v1/report`` (one per node): the join needs only each prefill
+    engine's ``kv_engine_id`` and each record's ids.
+    """
     prefill: dict[tuple[str, str], tuple[str, TransferRecord]] = {}
-    for name, st in states.items():
-        t = st.transfers
+    for name, t in transfers.items():
         if t is None or t.kv_engine_id is None:
             continue
         for rec in t.records:
@@ -74,10 +89,10 @@ def link_transfers(states: Mapping[str, EngineState]) -> list[TransferLink]:
     # admit a second, blockless request with the same parameters to tell the prefill side
     # to let go after an abort).
     decodes: dict[tuple[str, str], tuple[str, TransferRecord]] = {}
-    for d_name, st in sorted(states.items()):
-        if st.transfers is None:
+    for d_name, dt in sorted(transfers.items()):
+        if dt is None:
             continue
-        for d in st.transfers.records:
+        for d in dt.records:
             if d.role is not TransferRole.DECODE or d.remote_engine_id is None \
                     or d.remote_request_id is None:
                 continue

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -228,6 +228,10 @@ class TransferLog:
         self.hazard_counts: Counter[str] = Counter()
         self.worker_ranks: list[WorkerRankState] = []
         """As last read from the source (set by the session)."""
+        self.on_ended: Callable[[TransferRecord], None] | None = None
+        """Called with each record :meth:`ended` closes (set by the session; must not raise)."""
+        self.on_hazard: Callable[[TransferHazard], None] | None = None
+        """Called with each new hazard (set by the session; must not raise)."""
 
     def get(self, request_id: str) -> TransferRecord | None:
         return self._pending.get(request_id) or self._ended.get(request_id)
@@ -263,6 +267,8 @@ class TransferLog:
         self._ended[request_id] = rec
         while len(self._ended) > MAX_RECORDS:
             self._ended.popitem(last=False)
+        if self.on_ended is not None:
+            self.on_ended(rec)
         return rec
 
     def read_after_expiry(self, request_id: str, at: float) -> TransferHazard | None:
@@ -284,6 +290,8 @@ class TransferLog:
                       "another request's KV"))
         self._hazards.append(hz)
         self.hazard_counts[hz.kind.value] += 1
+        if self.on_hazard is not None:
+            self.on_hazard(hz)
         return hz
 
     def state(self) -> TransfersState:

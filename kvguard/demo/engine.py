@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -275,11 +275,19 @@ class ServerProcess:
         env: Mapping[str, str] | None = None,
         health_timeout_seconds: float = 120.0,
         stop_grace_seconds: float = 5.0,
+        host: str = LOOPBACK,
+        command_prefix: Sequence[str] = (),
     ) -> None:
         self.spec = spec
         self.log_path = log_path
+        self.host = host
+        """The address it binds: loopback, or a test's own network namespace's address
+        (then start it, and reach it, from a thread in that namespace)."""
+        self.command_prefix = tuple(command_prefix)
+        """Runs the server command (e.g. ``ip netns exec NODE``: a namespace's own
+        ``/sys``, where UCX finds that node's network devices); it must exec it."""
         self.port = free_loopback_port()
-        self.base_url = f"http://{LOOPBACK}:{self.port}"
+        self.base_url = f"http://{host}:{self.port}"
         self._env = dict(env or {})
         self._health_timeout_seconds = health_timeout_seconds
         self._stop_grace_seconds = stop_grace_seconds
@@ -292,11 +300,12 @@ class ServerProcess:
 
     def command(self) -> list[str]:
         return [
+            *self.command_prefix,
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--host",
-            LOOPBACK,
+            self.host,
             "--port",
             str(self.port),
             *self.spec.server_args(),

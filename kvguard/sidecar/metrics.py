@@ -139,9 +139,23 @@ class KvguardCollector(Collector):
             "kvguard_cost_windows_skipped", "Metering windows not taken: a wrapper set "
             "over one of kvguard's hooks after it (the meter never replaces one).",
             labels=eng)
+        trace_exported = CounterMetricFamily(
+            "kvguard_trace_spans_exported", "kvguard's spans (leaks, transfers, hazards) the "
+            "OTLP trace backend took; only engines with tracing on.", labels=eng)
+        trace_dropped = CounterMetricFamily(
+            "kvguard_trace_spans_dropped", "kvguard's spans dropped at the engine thread: the "
+            "export queue was full (the engine never waits for export).", labels=eng)
+        trace_failed = CounterMetricFamily(
+            "kvguard_trace_export_failures", "kvguard's spans whose OTLP export failed "
+            "(backend unreachable or refusing).", labels=eng)
         for name, view in sorted(self.store.engines.items()):
             s = view.state
             ids = engine_label_values(name, s)
+            if s.tracing is not None:
+                tr = s.tracing
+                trace_exported.add_metric(ids, float(tr.spans_exported_total))
+                trace_dropped.add_metric(ids, float(tr.spans_dropped_total))
+                trace_failed.add_metric(ids, float(tr.export_failures_total))
             if s.cost is not None:
                 c = s.cost
                 cost_steps.add_metric(ids, float(c.sampled_steps_total))
@@ -222,7 +236,7 @@ class KvguardCollector(Collector):
                     events, errors, unaudited, read_errors, drain_eta, allocator, device, swap,
                     sweeps, online_seconds, sweep_steps, latency, last_sweep, kv_info,
                     kv_pending, kv_outcomes, kv_hazards, cost_steps, cost_self, cost_sched,
-                    cost_skipped)
+                    cost_skipped, trace_exported, trace_dropped, trace_failed)
         yield from kv_events_families(self.store, ENGINE_LABELS)
         yield from offload_families(self.store, ENGINE_LABELS)
 

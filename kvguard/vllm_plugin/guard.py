@@ -17,9 +17,11 @@ from typing import Any, NamedTuple
 from kvguard.attribution.setup import attributor_for_vllm
 from kvguard.config import KvguardConfig
 from kvguard.core.session import GuardSession
+from kvguard.tracing.tracer import RequestTracer
 from kvguard.transport.control import request_mtime_ns
 from kvguard.transport.publisher import StatePublisher
 from kvguard.vllm_plugin.adapter import VllmAdapter
+from kvguard.vllm_plugin.trace_setup import tracer_for_vllm
 
 _GUARDS: weakref.WeakValueDictionary[str, EngineGuard] = weakref.WeakValueDictionary()
 
@@ -90,6 +92,10 @@ class EngineGuard(GuardSession):
         """Every hook in place, plain and metered (the cost meter switches between them)."""
         self.attributor = attributor_for_vllm(scheduler, config,
                                               name=f"{self.engine}-{self.epoch}")
+        self.request_tracer: RequestTracer | None = tracer_for_vllm(scheduler, self)
+        """Findings into the requests' traces (None: no OTLP endpoint configured); the
+        admission hook hands it each request's trace headers."""
+        self.tracer = self.request_tracer
         _GUARDS[self.engine] = self
 
 

@@ -181,6 +181,8 @@ def install_hooks(g: EngineGuard) -> None:
     vllm = g.vllm
     errors = g.errors
     transfers = vllm.transfers
+    tracer = g.request_tracer
+    """The request's trace context is read at admission (None: tracing off)."""
     owner: list[RequestId | None] = [None]
     """The request whose lifecycle call is running (pool calls inside it are its)."""
     claimed: list[RequestId | None] = [None]
@@ -270,6 +272,11 @@ def install_hooks(g: EngineGuard) -> None:
                         g.on_transfer(ev)
             except Exception as exc:
                 errors.record("add_request", exc)
+            if tracer is not None:  # off: no call at all
+                try:
+                    tracer.admitted(request.request_id, request.trace_headers)
+                except Exception as exc:
+                    errors.record("tracing", exc)
             return ret
         return add_request
 

@@ -203,3 +203,34 @@ def test_close_stops_the_waker() -> None:
     s, _, waker, _ = _session(Harness(16))
     s.close()
     assert waker.closed
+
+
+def test_an_engine_that_stays_idle_is_audited_again_after_the_recheck_interval() -> None:
+    """No traffic after a drain: the waker is armed for the recheck interval, and the
+    on_idle it brings then audits the pool again, so the last drained checkpoint's time
+    stays current (``KvguardNoDrainedCheckpoint`` no longer fires on an idle engine)."""
+    h = Harness(64, lazy_claims=True)
+    s, _, waker, _ = _session(h, idle_recheck_seconds=0.2)
+    h.drain(attributed=False)
+    s.on_release_done()
+    s.on_step_end()
+    assert len(s.reports) == 1 and s.reports[-1].verdict is Verdict.CLEAN
+    assert 0.2 in waker.wakes
+    s.on_idle()  # too early: nothing to do
+    assert len(s.reports) == 1
+    time.sleep(0.25)
+    s.on_idle()
+    assert len(s.reports) == 2 and s.reports[-1].drained
+    assert s.reports[-1].verdict is Verdict.CLEAN
+    assert s.reports[-1].taken_at > s.reports[0].taken_at
+
+
+def test_the_idle_recheck_can_be_turned_off() -> None:
+    h = Harness(64, lazy_claims=True)
+    s, _, waker, _ = _session(h, idle_recheck_seconds=0.0)
+    h.drain(attributed=False)
+    s.on_release_done()
+    s.on_step_end()
+    time.sleep(0.05)
+    s.on_idle()
+    assert len(s.reports) == 1 and waker.wakes == []

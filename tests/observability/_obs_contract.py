@@ -121,6 +121,10 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_kv_events_batches_received_total": _m("counter", *ENGINE),
     "kvguard_kv_events_restarts_total": _m("counter", *ENGINE),
     "kvguard_kv_events_gap_open": _m("gauge", *ENGINE),
+    # Findings in the requests' traces (kvguard/tracing): only engines with an OTLP endpoint.
+    "kvguard_trace_spans_exported_total": _m("counter", *ENGINE),
+    "kvguard_trace_spans_dropped_total": _m("counter", *ENGINE),
+    "kvguard_trace_export_failures_total": _m("counter", *ENGINE),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)

@@ -225,3 +225,36 @@ def test_every_rule_evaluates_without_error_on_the_pd_data(pd_replay: PdReplay) 
     assert {r["name"] for r in evaluated} == {r.get("alert") or r["record"] for r in load_rules()}
     for rule in evaluated:
         assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
+
+
+def test_the_cli_joins_the_pair_over_the_two_pods_sidecars(pd_replay: PdReplay) -> None:
+    """``kvguard report --transfers --sidecar URL --sidecar URL``: the cross-engine verdicts
+    joined over each pod's sidecar's HTTP API (no shared run dir). Truth: the lease vLLM
+    logged as lapsed and then read (``never-1``), and the decode half the workload
+    abandoned while vLLM's decode engine still held blocks for it (``abort-1``)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    urls = [pd_replay.sidecar_metrics_urls[e].removesuffix("/metrics")
+            for e in ("prefill", "decode")]
+    cmd = [str(Path(sys.executable).with_name("kvguard")), "report", "--transfers", "--json"]
+    for url in urls:
+        cmd += ["--sidecar", url]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+    links = {(ln["kind"], ln["prefill_request_id"].split("-")[1]): ln
+             for ln in json.loads(out.stdout)}
+    prefill = _phase(LAST)["engines"]["prefill"]["log_lines"]
+    assert prefill["lease_expired"] == prefill["read_after_expiry"] == 1
+    (late,) = _requests("decode_late")
+    (abandoned,) = _requests("prefill_then_decode_abandoned")
+    assert _phase(LAST)["engines"]["decode"]["vllm_blocks_in_use"] > 0
+    assert set(links) == {("freed_before_read", late.split("-")[0]),
+                          ("read_not_received", abandoned.split("-")[0])}, links
+    for ln in links.values():
+        assert (ln["prefill_engine"], ln["decode_engine"]) == ("prefill", "decode")
+    # A sidecar that is not there: exit 2 and a message that says what to check.
+    bad = subprocess.run([*cmd[:-1], "http://127.0.0.1:9"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "is `kvguard sidecar` running there" in bad.stderr

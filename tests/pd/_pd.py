@@ -122,3 +122,28 @@ def first_transfer(pair: PdPair) -> None:
         if out.decode is not None:
             return
     raise AssertionError(f"no P/D transfer succeeded in {HANDSHAKE_TRIES} tries")
+
+
+def decode_hung_up(pair: PdPair, tag: str, params: dict[str, Any], request_id: str) -> None:
+    """Send the decode half, and hang up once vLLM's decode engine holds blocks for it
+    (by its own ``vllm:kv_cache_usage_perc``): a client that gives up on a request whose
+    KV never arrives. vLLM then aborts the request.
+
+    A fixed client timeout is not enough on 2 loaded cores: the decode engine has
+    scheduled a request (allocated its blocks) 3 s after it arrived, and a client that hung
+    up first left vLLM aborting a request that never held a block.
+    """
+    import http.client
+    from urllib.parse import urlsplit
+
+    before = blocks_in_use(pair.decode)
+    url = urlsplit(pair.decode.base_url)
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions",
+                     json.dumps({**body(pair, tag), "kv_transfer_params": params}),
+                     {"Content-Type": "application/json", "X-Request-Id": request_id})
+        until(f"the decode engine to hold blocks for {request_id}",
+              lambda: blocks_in_use(pair.decode) > before)
+    finally:
+        conn.close()  # vLLM sees the disconnect and aborts the request

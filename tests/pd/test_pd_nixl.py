@@ -37,6 +37,7 @@ from _pd import (
     blocks_in_use,
     body,
     client_id,
+    decode_hung_up,
     first_transfer,
     freed_then_read,
     logged_requests,
@@ -51,7 +52,7 @@ from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.core.transfer_links import LinkKind, link_transfers
 from kvguard.core.types import LeakCause, LeakPath, Verdict
 from kvguard.demo.pd_pair import PdPair, pd_pair
-from kvguard.demo.pd_proxy import create_proxy, decode, decode_abandoned, pd_complete, prefill
+from kvguard.demo.pd_proxy import create_proxy, decode, pd_complete, prefill
 from kvguard.demo.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
@@ -257,8 +258,7 @@ def test_decode_aborted_while_waiting_is_a_finding_on_the_decode_side(pair: PdPa
     t0 = time.time()
     params = prefill(pair.prefill.base_url, body(pair, "abort"), "abort-1")
     # The decode side's completion is lost (fault): the request waits; the client gives up.
-    assert decode_abandoned(pair.decode.base_url, body(pair, "abort"), params, "abort-1",
-                            after_seconds=4.0)
+    decode_hung_up(pair, "abort", params, "abort-1")
     until("the decode request to be aborted",
            lambda: vllm_series(pair.decode.base_url, "vllm:num_requests_running")
            + vllm_series(pair.decode.base_url, "vllm:num_requests_waiting") == 0)
@@ -324,8 +324,7 @@ def test_a_prefill_hold_for_an_aborted_decode_is_named_across_engines(pair: PdPa
     from kvguard.sidecar.store import EngineStore
 
     params = prefill(pair.prefill.base_url, body(pair, "both"), "abort-lost-1")
-    assert decode_abandoned(pair.decode.base_url, body(pair, "both"), params, "abort-lost-1",
-                            after_seconds=4.0)
+    decode_hung_up(pair, "both", params, "abort-lost-1")
     store = EngineStore(pair.run_dir)
 
     def linked() -> Any:

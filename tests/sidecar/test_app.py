@@ -255,3 +255,20 @@ def test_every_engine_series_carries_vllms_join_labels_and_a_fleet_unique_name(
     assert holding == {"node-a-prefill": 0.0, "node-a-decode": 1.0}
     [info, _] = sorted(metrics["kvguard_engine_info"], key=lambda s: s[0]["engine_name"])
     assert info[0]["metrics_contract"] == "2"
+
+
+def test_trace_counters_are_exported_only_for_engines_that_trace(tmp_path: Path) -> None:
+    from kvguard.core.state import TracingState
+
+    traced = state([report(1)], engine="dp0").model_copy(update={"tracing": TracingState(
+        service_name="kvguard", spans_queued_total=9, spans_dropped_total=3,
+        spans_exported_total=7, export_failures_total=2)})
+    write(tmp_path, traced)
+    write(tmp_path, state([report(1, engine="dp1")], engine="dp1", engine_index=1))
+    with _client(tmp_path) as c:
+        m = _metrics(c)
+    for name, value in (("kvguard_trace_spans_exported_total", 7.0),
+                        ("kvguard_trace_spans_dropped_total", 3.0),
+                        ("kvguard_trace_export_failures_total", 2.0)):
+        [(labels, v, typ)] = m[name]
+        assert (labels["engine_name"], v, typ) == ("dp0", value, "counter")

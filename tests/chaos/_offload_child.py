@@ -39,13 +39,16 @@ def offload(h: EngineHarness) -> dict[str, Any]:
 
 
 def published(h: EngineHarness) -> dict[str, Any]:
+    """The offload section of the state file, as written after this call (the writer is a
+    thread of its own: an older file can still be there for a moment)."""
+    since = time.time()
     h.guard.publish()
     path = Path(os.environ["KVGUARD_RUN_DIR"]) / f"{h.guard.engine}.json"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
             state = EngineState.model_validate_json(path.read_text())
-            if state.offload is not None:
+            if state.updated_at >= since and state.offload is not None:
                 return state.offload.model_dump(mode="json")
         except (OSError, ValueError):
             pass

@@ -43,6 +43,10 @@ class KvguardConfig:
     """How long a finished request may hold blocks while its KV transfer completes.
     Unset: the KV connector's own timeout when vLLM exposes one (NIXL's lease,
     Mooncake's abort timeout), else 30 s."""
+    offload_job_bound_seconds: float | None = None
+    """How long a job of an offloading KV connector (a store to, or load from, its offload
+    tier) may stay in flight before kvguard calls it stuck (``kvguard_offload_stuck_jobs``).
+    Unset: the delayed-free bound."""
     saturation_ratio: float = 0.8
     """Cached share of capacity at which a clean pool is reported ``saturated``."""
     checkpoint_min_interval_seconds: float = 0.0
@@ -121,7 +125,8 @@ class KvguardConfig:
         if not 0.0 < self.saturation_ratio <= 1.0:
             raise ConfigError("KVGUARD_SATURATION_RATIO", self.saturation_ratio,
                               "a ratio in (0, 1]")
-        for name in ("delayed_free_bound_seconds", "checkpoint_min_interval_seconds",
+        for name in ("delayed_free_bound_seconds", "offload_job_bound_seconds",
+                     "checkpoint_min_interval_seconds",
                      "publish_interval_seconds", "online_max_pause_seconds",
                      "idle_recheck_seconds"):
             value = getattr(self, name)

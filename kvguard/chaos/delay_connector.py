@@ -1,12 +1,20 @@
 """A real vLLM V1 KV connector that delays block frees: a staging/test fault tool.
 
-Real transfer and offload connectors (NIXL, Mooncake, the offloading
-connectors) keep a finished request's KV blocks while they send or store them:
-the scheduler side answers ``(True, params)`` from ``request_finished`` and the
-blocks return to the pool only when a worker reports the request in
-``finished_sending``. None of the connectors that run on CPU does that, so
-kvguard could not be exercised on vLLM's real *delayed free* path. This
-connector does exactly that and nothing else: it moves no data.
+Transfer connectors that push a finished request's KV elsewhere (NIXL's prefill
+side, Mooncake) keep its blocks while the transfer runs: the scheduler side answers
+``(True, params)`` from ``request_finished`` and the blocks return to the pool only
+when a worker reports the request in ``finished_sending``. None of the connectors
+that run on CPU does that, so kvguard could not be exercised on vLLM's real
+*delayed free* path. This connector does exactly that and nothing else: it moves
+no data.
+
+vLLM's offloading connector is different (0.32): its ``request_finished`` always
+returns ``(False, None)``. Stores in flight are protected by *fences* on the freed
+blocks (re-allocating one first flushes the store, ``jobs_to_flush``), not by a
+delayed free; its only delayed free is an abort while a *load* is in flight (the
+request stays ``FINISHED_ABORTED`` holding its blocks until ``finished_recving``).
+That path runs for real on CPU with :mod:`kvguard.chaos.offload_spec`, the
+scenarios in :mod:`kvguard.chaos.offload_scenarios`.
 
 **Not for production.** A "never" transfer pins its blocks for the life of the
 engine (vllm #46283, #20139): waiting requests starve once the pool is pinned.

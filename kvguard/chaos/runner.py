@@ -19,8 +19,9 @@ from pathlib import Path
 
 from kvguard.chaos.harness import EngineHarness
 from kvguard.chaos.result import ScenarioResult, Status, mode_disagreements, summarize
-from kvguard.chaos.scenarios import NotExercised, Scenario, matrix
+from kvguard.chaos.scenarios import ExpectedOffload, NotExercised, Scenario, matrix
 from kvguard.chaos.truth import PoolTruth, disagreement
+from kvguard.core.offload import OffloadState, OffloadVerdict
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Evidence, LeakCause
 from kvguard.testing.scheduling import Scheduling
@@ -31,6 +32,17 @@ RESULT_PREFIX = "KVGUARD-CHAOS-RESULT "
 
 
 def expected_text(s: Scenario) -> str:
+    text = _expected_pool_text(s)
+    o = s.offload
+    if o is not None and o.verdict is not OffloadVerdict.OK:
+        kind = o.stuck_kind.value if o.stuck_kind else "a"
+        text += f"; offload {o.verdict.value}: {kind} job of {','.join(sorted(o.owner_ids))}"
+        if o.waiting_ids:
+            text += f", {','.join(sorted(o.waiting_ids))} waiting"
+    return text
+
+
+def _expected_pool_text(s: Scenario) -> str:
     if s.leak is None:
         return "/".join(sorted(v.value for v in s.verdicts)) + ", no leak"
     who = ",".join(sorted(s.leak.client_ids)) or (
@@ -73,6 +85,27 @@ def score(s: Scenario, report: CheckpointReport, truth: PoolTruth | None = None,
         return Status.FAILED, f"requests named {sorted(named)}, expected {sorted(expected)}"
     if expected and named - expected:
         return Status.FAILED, f"innocent requests accused: {sorted(named - expected)}"
+    return Status.PASSED, ""
+
+
+def score_offload(exp: ExpectedOffload, state: OffloadState | None) -> tuple[Status, str]:
+    """kvguard's offload audit against what the scenario expects (after the drive)."""
+    if state is None:
+        return Status.FAILED, "kvguard has no offload audit on this engine"
+    if state.verdict is not exp.verdict:
+        return Status.FAILED, f"offload verdict {state.verdict.value}, expected " \
+                              f"{exp.verdict.value}: {state.explanation[:200]}"
+    stuck = [j for j in state.stuck if exp.stuck_kind is None or j.kind is exp.stuck_kind]
+    if exp.stuck_kind is not None and not stuck:
+        return Status.FAILED, f"no stuck {exp.stuck_kind.value} job named"
+    owners = {j.client_request_id for j in stuck}
+    if not exp.owner_ids <= owners:
+        return Status.FAILED, f"stuck jobs of {sorted(map(str, owners))}, expected " \
+                              f"{sorted(exp.owner_ids)}"
+    waiting = {w.client_request_id for w in state.waiting}
+    if not exp.waiting_ids <= waiting:
+        return Status.FAILED, f"waiting requests {sorted(map(str, waiting))}, expected " \
+                              f"{sorted(exp.waiting_ids)}"
     return Status.PASSED, ""
 
 
@@ -136,7 +169,7 @@ def run_in_this_process(name: str, workdir: Path,
     base = base.model_copy(update={"scheduling": h.scheduling})  # what vLLM really ran
     try:
         evidence = s.drive(h)
-        report = scored_report(s, h)
+        report = h.latest_drained() if s.never_drains else scored_report(s, h)
         truth = h.pool_truth()
     except NotExercised as exc:
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
@@ -146,8 +179,24 @@ def run_in_this_process(name: str, workdir: Path,
         return base.model_copy(update={"status": Status.ERROR, "concluded": "-",
                                        "why": f"{type(exc).__name__}: {exc}"[:300],
                                        "seconds": time.monotonic() - t0})
+    offload = h.guard.poll_offload()
+    if report is None:  # never_drains, and it did not: no drained verdict to score
+        alarms = [r for r in h.reports() if r.leaks]
+        status, why = (Status.FAILED, "false alarm: " + summarize(alarms[-1])[0]) if alarms \
+            else (Status.PASSED, "")
+        if status is Status.PASSED and s.offload is not None:
+            status, why = score_offload(s.offload, offload)
+        concluded = f"no drained checkpoint; offload {offload.verdict.value}" \
+            if offload is not None else "no drained checkpoint"
+        return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
+                                       "evidence": evidence,
+                                       "seconds": time.monotonic() - t0})
     status, why = score(s, report, truth, fault_victims(h))
+    if status is Status.PASSED and s.offload is not None:
+        status, why = score_offload(s.offload, offload)
     concluded, leaks = summarize(report)
+    if offload is not None and offload.verdict is not OffloadVerdict.OK:
+        concluded += f"; offload {offload.verdict.value}"
     return base.model_copy(update={"status": status, "why": why, "concluded": concluded,
                                    "evidence": evidence, "verdict": report.verdict,
                                    "leaks": leaks, "seconds": time.monotonic() - t0})

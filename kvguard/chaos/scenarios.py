@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvguard.chaos.faults import Fault
 from kvguard.chaos.harness import EngineHarness, prompt
+from kvguard.core.offload import JobKind, OffloadVerdict
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
 
 HEALTHY = frozenset({Verdict.CLEAN, Verdict.SATURATED})
@@ -37,6 +38,18 @@ class ExpectedLeak:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpectedOffload:
+    """What kvguard's offload audit must say after the drive (its state's ``offload``)."""
+
+    verdict: OffloadVerdict
+    stuck_kind: JobKind | None = None
+    owner_ids: frozenset[str] = frozenset()
+    """Requests whose stuck jobs must be named."""
+    waiting_ids: frozenset[str] = frozenset()
+    """Requests that must be named as waiting behind them."""
+
+
+@dataclass(frozen=True, slots=True)
 class Scenario:
     name: str
     injected: str
@@ -56,6 +69,13 @@ class Scenario:
     (a leak that keeps the engine from ever draining)."""
     reproduces: str = ""
     """Which real report (design.md section 5) this scenario stands for."""
+    offload: ExpectedOffload | None = None
+    never_drains: bool = False
+    """The fault keeps the engine from ever draining again (with async scheduling there is
+    always a batch in flight after it, so no drained checkpoint at all after the warm-up):
+    the pool is scored on the latest drained report when there is one; without one, only
+    on no report since the warm-up claiming a leak. The offload audit is scored as usual."""
+    """Scenarios on an offloading connector: what kvguard's offload audit must say."""
     may_be_unsupported: bool = False
     """If the engine cannot be built with this configuration, report ``unsupported`` with
     vLLM's own error instead of failing (e.g. offloading connectors on the CPU build)."""
@@ -391,11 +411,7 @@ def matrix(draft_model_dir: Path | None = None,
                  "(rejected drafts roll back)", _spec_decode, engine=spec_extra),
         Scenario("delayed_free_late", "KV transfer completes 5 steps late (within bound)",
                  _delayed_free, engine=_connector(complete_after_steps=5)),
-        Scenario("offload_connector", "KV offload through vLLM's OffloadingConnector",
-                 _delayed_free, engine={"extra": {"kv_transfer_config": {
-                     "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                     "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20}}}},
-                 may_be_unsupported=True, reproduces="vllm #52360 (async store)"),
+        *_offload_scenarios(),
         Scenario("fail_after_admission", "2 requests fail (FINISHED_ERROR) after admission",
                  _fail_after_admission),
         Scenario("hook_exceptions", "3 exceptions inside kvguard's own hooks (records then "
@@ -466,5 +482,49 @@ def matrix(draft_model_dir: Path | None = None,
                  engine=hybrid, faults={Fault.SLIDING_WINDOW_REMOVAL_SKIPS_FREE: 1},
                  kvguard={"online_audit": False},
                  reproduces="vllm-ascend PR #10394 (remove_skipped_blocks), vllm #25431"),
+    ]
+
+
+def _offload_scenarios() -> list[Scenario]:
+    """vLLM's real OffloadingConnector (:mod:`kvguard.chaos.offload_scenarios`)."""
+    from kvguard.chaos import offload_scenarios as o
+
+    ok = ExpectedOffload(OffloadVerdict.OK)
+    return [
+        Scenario("offload_connector", "KV offload through vLLM's OffloadingConnector: store, "
+                 "evict, reload (jobs 2 steps long)", o.drive_reload_after_eviction,
+                 engine=o.offload_engine(complete_after_steps=2), offload=ok,
+                 reproduces="vllm #52360 (async store)"),
+        Scenario("offload_abort_during_load", "abort while its KV loads from the offload tier",
+                 o.drive_abort_during_load, engine=o.offload_engine(complete_after_steps=4),
+                 offload=ok, reproduces="vllm #32255 (abort while waiting for KV)"),
+        Scenario("offload_reset_stores_in_flight", "reset_prefix_cache with offload stores "
+                 "in flight", o.drive_reset_with_stores_in_flight,
+                 engine=o.offload_engine(complete_after_steps=6), offload=ok),
+        Scenario("offload_preemption_stores", "preemptions with offload stores in flight",
+                 o.drive_preemption_with_stores,
+                 engine={**o.offload_engine(complete_after_steps=3),
+                         "num_gpu_blocks_override": 12},
+                 offload=ok, reproduces="vllm #52360 (preemption during an async store)"),
+        Scenario("offload_tier_full", "the offload tier is too small for a prefix (vLLM "
+                 "cannot store its chunks)", o.drive_tier_full,
+                 engine=o.offload_engine(o.TIER_OF_3_CHUNKS), offload=ok),
+        Scenario("fault_offload_load_lost", "FAULT: an offload load completion never arrives "
+                 "(the request is then aborted)", o.drive_load_lost,
+                 verdicts=frozenset({Verdict.LEAK}),
+                 leak=ExpectedLeak(LeakCause.FINISHED_REQUEST, LeakPath.DELAYED_FREE,
+                                   frozenset({"lost-load"})),
+                 engine=o.offload_engine(), delayed_free_bound_seconds=1.0,
+                 offload=ExpectedOffload(OffloadVerdict.STUCK, JobKind.LOAD,
+                                         frozenset({"lost-load"})),
+                 reproduces="vllm #46283 (transfer completion never arrives)"),
+        Scenario("fault_offload_store_lost", "FAULT: an offload store completion never "
+                 "arrives (no block leaks; the engine never idles; a same-prefix request "
+                 "waits for ever)", o.drive_store_lost,
+                 engine=o.offload_engine(), delayed_free_bound_seconds=1.0,
+                 never_drains=True,
+                 offload=ExpectedOffload(OffloadVerdict.STUCK, JobKind.STORE,
+                                         frozenset({"lost-store"}), frozenset({"waits"})),
+                 reproduces="vllm #52360 (async store never completes)"),
     ]
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvguard.core.offload import OffloadSource
 from kvguard.core.online import PoolAccess
 from kvguard.core.snapshot import PoolSnapshot
 from kvguard.core.transfers import TransferSource
@@ -153,3 +154,7 @@ class EngineAdapter(Protocol):
 
     def kv_transfers(self) -> TransferSource | None:
         """The engine's KV connector for transfers between engines (P/D), or ``None``."""
+
+    def offload_source(self) -> OffloadSource | None:
+        """The engine's offloading KV connector (jobs to and from an offload tier), or
+        ``None``."""

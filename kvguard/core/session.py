@@ -44,6 +44,7 @@ from kvguard.core.cost import CostMeter
 from kvguard.core.drain_model import DrainEstimator, DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
 from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.offload import OffloadAudit, OffloadState, OffloadVerdict
 from kvguard.core.online import OnlineAuditor, OnlineOptions, SweepResult
 from kvguard.core.pacing import CheckpointPacer
 from kvguard.core.reconciler import ReconcileOptions, reconcile
@@ -159,7 +160,7 @@ class HookErrors:
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests", "transfers", "checkpoint", "cost_meter",
-                             "idle_wake", "idle", "kv_events", "tracing"})
+                             "idle_wake", "idle", "kv_events", "tracing", "offload"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -232,6 +233,13 @@ class GuardSession:
         endpoint is configured; None: off, and no call is made)."""
         self._next_transfer_poll = 0.0
         self._transfer_errors_seen = 0
+        self.offload_source = adapter.offload_source()
+        """The engine's offloading KV connector (None: the engine has none)."""
+        self.offload: OffloadAudit | None = None
+        if self.offload_source is not None:
+            self.offload = OffloadAudit(self.offload_source.connector,
+                                        *self._offload_bound(config))
+        self._next_offload_poll = 0.0
         self._leased: set[RequestId] = set()
         """Delayed frees that have had a deadline from the connector (polled until freed)."""
         self.attributor = attributor
@@ -285,6 +293,8 @@ class GuardSession:
         self.pacer.reconfigure(config.checkpoint_min_interval_seconds, config.checkpoint_burst)
         if config.cost_sample_every_steps != self.meter.every:
             self.meter.reconfigure(config.cost_sample_every_steps)
+        if self.offload is not None:
+            self.offload.bound_seconds, self.offload.bound_source = self._offload_bound(config)
         if not config.online_audit:
             self.online = None
             return
@@ -297,6 +307,15 @@ class GuardSession:
             self.online.opts = opts
             self.online.budget.fraction = opts.budget_fraction
             self.online.budget.max_credit = opts.max_pause_seconds
+
+    def _offload_bound(self, config: KvguardConfig) -> tuple[float, str]:
+        """Seconds an offload job may stay in flight, and where the number comes from."""
+        if config.offload_job_bound_seconds is not None:
+            return config.offload_job_bound_seconds, "KVGUARD_OFFLOAD_JOB_BOUND_SECONDS"
+        configured = config.delayed_free_bound_seconds
+        if configured is not None:
+            return configured, "the delayed-free bound (KVGUARD_DELAYED_FREE_BOUND_SECONDS)"
+        return self.hold_bound.seconds, f"the delayed-free bound ({self.hold_bound.source})"
 
     @property
     def delayed_free_bound(self) -> float:
@@ -404,6 +423,25 @@ class GuardSession:
             elif rec.hold_deadline is not None and rec.hold_deadline > now:
                 self.ledger.on_hold_deadline(r, now, f"{src.connector} let go of the hold")
 
+    def poll_offload(self, *, drained_at: float | None = None) -> OffloadState | None:
+        """Read the offload path and judge it (at most every ``TRANSFER_POLL_SECONDS`` at
+        step ends; at every drained checkpoint, where the tier is also reconciled with the
+        jobs in flight: ``drained_at``, Unix s). Logs each job the first time it is stuck."""
+        audit, src = self.offload, self.offload_source
+        if audit is None or src is None:
+            return None
+        with self.contain("offload"):
+            reading = src.read()
+            if drained_at is not None:
+                audit.reconcile(reading, drained_at)
+            before = audit.stuck_jobs_total
+            state = audit.judge(reading)
+            if audit.stuck_jobs_total > before:
+                log.warning("kvguard: engine %s offload %s: %s", self.engine,
+                            state.verdict.value, state.explanation.splitlines()[0])
+            return state
+        return None
+
     def on_delayed_free_started(self, request_id: RequestId, at: float) -> None:
         """The engine keeps a finished request's blocks until its KV transfer completes."""
         rec = self.ledger.record(request_id)
@@ -460,6 +498,11 @@ class GuardSession:
             if mono >= self._next_transfer_poll:
                 self._next_transfer_poll = mono + TRANSFER_POLL_SECONDS
                 self.poll_transfers(time.time())
+        if self.offload is not None:
+            mono = time.monotonic()
+            if mono >= self._next_offload_poll:
+                self._next_offload_poll = mono + TRANSFER_POLL_SECONDS
+                self.poll_offload()
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
         online = self.online
@@ -608,6 +651,7 @@ class GuardSession:
         if self.transfers is not None:
             with self.contain("transfers"):
                 self.poll_transfers(time.time())
+        self.poll_offload()
         mono = time.monotonic()
         owed = self.pacer.owed_since is not None and self.pacer.ready(mono)
         if self._idle_recheck_due(mono):
@@ -655,6 +699,10 @@ class GuardSession:
             taken_at=now, saturation_ratio=self.config.saturation_ratio,
             audit_seconds=time.perf_counter() - t0)
         self.last_pool = report.pool
+        offload = self.poll_offload(drained_at=now)
+        if offload is not None and offload.verdict is not OffloadVerdict.OK:
+            report = report.model_copy(update={"explanation": report.explanation
+                                               + "\nOffload path: " + offload.explanation})
         self._last_drained_mono = time.monotonic()
         if self.config.idle_recheck_seconds > 0:
             # Idle from here on, the waker brings on_idle back then (a busy engine drains,
@@ -837,6 +885,7 @@ class GuardSession:
             cost=self.meter.state() if self.meter.every else None,
             kv_events=self._kv_events_state(),
             tracing=self._tracing_state(),
+            offload=self.offload.last if self.offload is not None else None,
             reports=list(self.reports),
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.drain_model import DrainPrediction
+from kvguard.core.offload import OffloadState
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 from kvguard.kv_events.snapshot import KvEventsState
@@ -159,6 +160,9 @@ class EngineState(BaseModel):
     tracing: TracingState | None = Field(
         default=None, description="kvguard's spans in the requests' traces; None when no "
                                   "OTLP endpoint is configured.")
+    offload: OffloadState | None = Field(
+        default=None, description="The offload path (an offloading KV connector's jobs and "
+                                  "tier); None without one.")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

@@ -19,6 +19,7 @@ from kvguard.core.transfers import HazardKind, TransferOutcome
 from kvguard.core.trend import TrendVerdict, judged
 from kvguard.core.types import Evidence, LeakCause, Verdict
 from kvguard.sidecar.kv_events_metrics import kv_events_families
+from kvguard.sidecar.offload_metrics import offload_families
 from kvguard.sidecar.store import EngineStore
 from kvguard.transport.state import EngineState
 
@@ -237,6 +238,7 @@ class KvguardCollector(Collector):
                     kv_pending, kv_outcomes, kv_hazards, cost_steps, cost_self, cost_sched,
                     cost_skipped, trace_exported, trace_dropped, trace_failed)
         yield from kv_events_families(self.store, ENGINE_LABELS)
+        yield from offload_families(self.store, ENGINE_LABELS)
 
 
 def engine_label_values(name: str, state: EngineState) -> list[str]:

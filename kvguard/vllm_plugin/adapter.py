@@ -25,6 +25,7 @@ from kvguard.core.types import FinishReason
 from kvguard.vllm_plugin.connector_bounds import connector_hold_bound
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.kv_transfers import VllmTransfers, transfers_of
+from kvguard.vllm_plugin.offload_reader import VllmOffload, offload_source_of
 from kvguard.vllm_plugin.pool_reader import VllmPoolAccess, all_request_tables, read_pool
 from kvguard.vllm_plugin.request_ids import client_request_id
 
@@ -55,6 +56,8 @@ class VllmAdapter:
         engine, whose batch is processed in the step that scheduled it (unknown: True)."""
         self.transfers: VllmTransfers | None = transfers_of(scheduler)
         """The KV connector's transfers (P/D), when the engine has a connector."""
+        self.offload: VllmOffload | None = offload_source_of(scheduler, client_request_id)
+        """The offloading connector's jobs and tier, when the engine has one."""
         rank, in_group = data_parallel_rank(scheduler)
         self._identity = EngineIdentity(kind="vllm", version=vllm_version(),
                                         default_name=f"{host_part()}-dp{rank}",
@@ -143,6 +146,9 @@ class VllmAdapter:
 
     def kv_transfers(self) -> VllmTransfers | None:
         return self.transfers
+
+    def offload_source(self) -> VllmOffload | None:
+        return self.offload
 
     def faults_enabled(self) -> list[str]:
         """What a fault-injecting scheduler says it injects (its ``faults_enabled``, a list

@@ -481,5 +481,8 @@ class RefAdapter:
     def kv_transfers(self) -> None:
         return None
 
+    def offload_source(self) -> None:
+        return None
+
     def faults_enabled(self) -> list[str]:
         return []

@@ -107,6 +107,9 @@ class NixlRefAdapter(RefAdapter):
     def kv_transfers(self) -> ScriptedNixl:
         return self.source
 
+    def offload_source(self) -> None:
+        return None
+
 
 class NullSink:
     drops = 0

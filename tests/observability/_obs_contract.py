@@ -32,12 +32,13 @@ class Metric:
     reserved: bool = False  # in the contract, exported only where a GPU probe reads it
     pd: bool = False  # in the contract, exported only by engines with a KV connector (P/D)
     kv_events: bool = False  # in the contract, exported only for engines publishing KV events
+    offload: bool = False  # in the contract, exported only by engines with an offloading connector
 
 
 def _m(type_: str, *labels: str, reserved: bool = False, pd: bool = False,
-       kv_events: bool = False, **values: tuple[str, ...]) -> Metric:
+       kv_events: bool = False, offload: bool = False, **values: tuple[str, ...]) -> Metric:
     return Metric(type_, frozenset(labels), tuple((k, frozenset(v)) for k, v in values.items()),
-                  reserved, pd, kv_events)
+                  reserved, pd, kv_events, offload)
 
 
 ENGINE = ("engine_name", "model_name", "engine")
@@ -95,6 +96,17 @@ CONTRACT: dict[str, Metric] = {
         verdict=("pending", "consistent", "cleared_missed", "gap", "stale", "missing")),
     "kvguard_kv_events_batches_lost_total": _m("counter", *ENGINE, kv_events=True),
     "kvguard_kv_events_replays_total": _m("counter", *ENGINE, kv_events=True),
+    # The offload path (issue 45): only engines with an offloading KV connector.
+    "kvguard_offload_tier_chunks": _m("gauge", *ENGINE, "state", offload=True,
+                                      state=("ready", "read_pinned", "write_pending", "free")),
+    "kvguard_offload_jobs_in_flight": _m("gauge", *ENGINE, "kind", offload=True,
+                                         kind=("store", "load")),
+    "kvguard_offload_oldest_job_age_seconds": _m("gauge", *ENGINE, offload=True),
+    "kvguard_offload_stuck_jobs": _m("gauge", *ENGINE, offload=True),
+    "kvguard_offload_jobs_stuck_total": _m("counter", *ENGINE, offload=True),
+    "kvguard_offload_waiting_requests": _m("gauge", *ENGINE, offload=True),
+    "kvguard_offload_verdict": _m("gauge", *ENGINE, "verdict", offload=True,
+                                  verdict=("ok", "stuck", "tier_mismatch")),
 }
 # The sidecar's own operational series: in docs/operator-guide.md, no dashboard panel.
 OPERATIONAL: dict[str, Metric] = {
@@ -121,6 +133,9 @@ PD_METRICS = frozenset(n for n, m in CONTRACT.items() if m.pd)
 data-parallel server's."""
 KV_EVENTS = frozenset(n for n, m in CONTRACT.items() if m.kv_events)
 """Exported only for engines that publish KV events (the observability targets do not)."""
+OFFLOAD = frozenset(n for n, m in CONTRACT.items() if m.offload)
+"""Exported only by engines with an offloading KV connector (the observability targets have
+none; tests/sidecar/test_offload_metrics.py reads them)."""
 HOST_METRICS = frozenset(n for n, m in CONTRACT.items() if "engine" not in m.labels)
 
 METRIC_NAME = re.compile(r"\bkvguard_[a-z0-9_]+\b")
@@ -189,6 +204,12 @@ class PanelQuery:
     def kv_events(self) -> bool:
         """Only KV-event series: the observability targets (no KV events) give no data."""
         return bool(self.metrics) and self.metrics <= KV_EVENTS
+
+    @property
+    def offload(self) -> bool:
+        """Only offload series: the observability targets (no offloading connector) give no
+        data."""
+        return bool(self.metrics) and self.metrics <= OFFLOAD
 
     @property
     def label(self) -> str:

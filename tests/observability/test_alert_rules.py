@@ -34,6 +34,7 @@ EXPECTED_ALERTS = {
     "KvguardKvReadNotReceived": "warning",
     "KvguardKvReadAfterExpiryNotSeen": "warning",
     "KvguardKvEventMirrorDiverged": "warning",
+    "KvguardOffloadJobStuck": "warning",
 }
 PD_RECORDS = {
     "namespace_model_name:kvguard_kv_transfers_read:increase15m",

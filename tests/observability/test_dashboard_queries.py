@@ -20,6 +20,7 @@ from _obs_contract import (
     CONTRACT,
     HOST_METRICS,
     KV_EVENTS,
+    OFFLOAD,
     OPERATIONAL,
     PD_METRICS,
     RESERVED,
@@ -186,7 +187,7 @@ def test_target_exposes_the_contract(metrics_target: str) -> None:
             seen.add(sample.name)
     # The P/D metrics come only from engines with a KV connector (test_pd_observability).
     assert not seen & PD_METRICS, "an engine without a KV connector exports P/D series"
-    missing = set(CONTRACT) - RESERVED - PD_METRICS - KV_EVENTS - seen
+    missing = set(CONTRACT) - RESERVED - PD_METRICS - KV_EVENTS - OFFLOAD - seen
     assert not missing, f"target does not export {sorted(missing)}"
 
 
@@ -199,9 +200,10 @@ def test_panel_query_returns_data(request: pytest.FixtureRequest, q: PanelQuery)
     P/D replay's for the P/D row (only engines with a KV connector export its series)."""
     scraped: PrometheusServer = request.getfixturevalue("pd_scraped" if q.pd else "scraped")
     expr = grafana_expand(q.expr)
-    if q.reserved or q.kv_events:
+    if q.reserved or q.kv_events or q.offload:
         # exported by a later release, or only for engines with KV events (tests/kv_events
-        # reads those from a real sidecar): the query must be valid, data is optional
+        # reads those from a real sidecar) or an offloading connector
+        # (tests/sidecar/test_offload_metrics.py): the query must be valid, data is optional
         _query(scraped, expr)
         return
     result = _poll(scraped, expr, DATA_TIMEOUT_S)

@@ -84,7 +84,8 @@ def model_config(model_dir: Path) -> ModelConfig:
 
 def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int = 16,
                     max_num_batched_tokens: int = 512, prefix_caching: bool = True,
-                    scheduler_cls: type[Scheduler] = Scheduler) -> Scheduler:
+                    scheduler_cls: type[Scheduler] = Scheduler,
+                    kv_transfer_config: dict[str, Any] | None = None) -> Scheduler:
     """A real ``scheduler_cls`` over one full-attention KV group of ``num_blocks`` blocks
     (the null block included), built as EngineCore builds it, kvguard's plugin loaded."""
     from vllm.plugins import load_general_plugins
@@ -95,8 +96,14 @@ def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=2048, enable_chunked_prefill=True,
                                 is_encoder_decoder=False)
+    kv: Any = None
+    if kv_transfer_config is not None:
+        from vllm.config.kv_transfer import KVTransferConfig
+
+        kv = KVTransferConfig(**kv_transfer_config)
     config = VllmConfig(scheduler_config=sched_cfg, model_config=model_config(model_dir),
-                        cache_config=_Vllm.cache_config(BLOCK_SIZE, num_blocks, prefix_caching))
+                        cache_config=_Vllm.cache_config(BLOCK_SIZE, num_blocks, prefix_caching),
+                        kv_transfer_config=kv)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], FullAttentionSpec(

@@ -13,7 +13,7 @@ returns ``(False, None)``. Stores in flight are protected by *fences* on the fre
 blocks (re-allocating one first flushes the store, ``jobs_to_flush``), not by a
 delayed free; its only delayed free is an abort while a *load* is in flight (the
 request stays ``FINISHED_ABORTED`` holding its blocks until ``finished_recving``).
-That path runs for real on CPU with :mod:`kvguard.chaos.offload_spec`, the
+That path runs for real on CPU with :mod:`kvguard.testing.offload_spec`, the
 scenarios in :mod:`kvguard.chaos.offload_scenarios`.
 
 **Not for production.** A "never" transfer pins its blocks for the life of the

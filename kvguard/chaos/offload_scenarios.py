@@ -1,7 +1,7 @@
 """Chaos scenarios on vLLM's real OffloadingConnector (CPU build, torch-CPU worker).
 
 Each engine runs vLLM's OffloadingConnector, scheduler side and ``CPUOffloadingManager``
-included, with :class:`~kvguard.chaos.offload_spec.TorchCpuOffloadingSpec` as its spec.
+included, with :class:`~kvguard.testing.offload_spec.TorchCpuOffloadingSpec` as its spec.
 The truth is vLLM's: its metrics (``vllm:external_prefix_cache_hits``,
 ``vllm:kv_offload_load_bytes``, ``vllm:kv_offload_store_bytes``,
 ``vllm:num_preemptions``), its scheduler (request status, queues,
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from kvguard.chaos.harness import EngineHarness, prompt
-from kvguard.chaos.offload_spec import offload_transfer_config
-from kvguard.chaos.offload_worker import TorchCpuOffloadingWorker, live_workers
+from kvguard.testing.offload_spec import offload_transfer_config
+from kvguard.testing.offload_worker import TorchCpuOffloadingWorker, live_workers
 
 __all__ = ["OFFLOAD_ENGINE", "TIER_OF_3_CHUNKS", "drive_abort_during_load", "drive_load_lost",
            "drive_preemption_with_stores", "drive_reload_after_eviction",

@@ -12,7 +12,7 @@ import pytest
 from kvguard.chaos.result import ScenarioResult, Status
 from kvguard.chaos.scenarios import matrix
 
-# Faults injected by the offload worker (kvguard.chaos.offload_worker, selected in the
+# Faults injected by the offload worker (kvguard.testing.offload_worker, selected in the
 # connector's kv_connector_extra_config), not by the chaos scheduler.
 OFFLOAD_WORKER_FAULTS = {"fault_offload_load_lost", "fault_offload_store_lost"}
 

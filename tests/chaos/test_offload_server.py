@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from kvguard.chaos.harness import prompt
-from kvguard.chaos.offload_spec import offload_transfer_config
 from kvguard.core.offload import OffloadState, OffloadVerdict
 from kvguard.core.state import EngineState
 from kvguard.testing.engine import EngineSpec, ServerProcess
+from kvguard.testing.offload_spec import offload_transfer_config
 from kvguard.testing.tiny_model import make_tiny_model
 from kvguard.transport.publisher import state_path
 

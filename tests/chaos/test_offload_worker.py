@@ -16,9 +16,9 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvguard.chaos.offload_copy import CopyOp, RefShape, plan_copies
-from kvguard.chaos.offload_worker import OffloadFaults, TorchCpuOffloadingWorker
 from kvguard.errors import ConfigError
+from kvguard.testing.offload_copy import CopyOp, RefShape, plan_copies
+from kvguard.testing.offload_worker import OffloadFaults, TorchCpuOffloadingWorker
 
 PAGE = 64
 UNPADDED = 48  # a padded page: only the first 48 bytes of each page are KV

@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-from kvguard.chaos.offload_spec import offload_transfer_config
 from kvguard.core.offload import OffloadVerdict
+from kvguard.testing.offload_spec import offload_transfer_config
 
 
 def _step(h: Sched, complete: bool, handed: set[int]) -> None:

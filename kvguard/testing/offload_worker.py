@@ -6,7 +6,7 @@ else of the offload path (the OffloadingConnector's scheduler side, vLLM's
 ``CPUOffloadingManager`` and its LRU policy, the fences on freed blocks, preemption
 flushes, ``reset_prefix_cache``) is plain Python and runs. This worker implements vLLM's
 ``OffloadingWorker`` interface (``submit_store``, ``submit_load``, ``get_finished``,
-``wait``) with torch-CPU copies (:mod:`kvguard.chaos.offload_copy`) so that the real
+``wait``) with torch-CPU copies (:mod:`kvguard.testing.offload_copy`) so that the real
 path runs end to end on CPU, in tests and in a CPU server.
 
 **Test and chaos tooling, not a product part.** On a GPU, vLLM's own worker does this
@@ -60,8 +60,8 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvguard.chaos.offload_copy import CopyOp, RefShape, apply_copies, plan_copies
 from kvguard.errors import ConfigError
+from kvguard.testing.offload_copy import CopyOp, RefShape, apply_copies, plan_copies
 
 __all__ = ["OffloadFaults", "TorchCpuOffloadingWorker", "live_workers"]
 

@@ -2,7 +2,7 @@
 
 This mirrors ``SingleDirectionOffloadingHandler._fill_direct_ops`` of vLLM 0.32
 (``vllm/v1/kv_offload/cpu/gpu_worker.py``, the direct, worker-private layout)
-without its CUDA descriptors, so that :mod:`kvguard.chaos.offload_worker` moves
+without its CUDA descriptors, so that :mod:`kvguard.testing.offload_worker` moves
 exactly the bytes vLLM's GPU worker would move.
 
 Units and invariants:

@@ -5,16 +5,16 @@ Selected through the OffloadingConnector's ``kv_connector_extra_config``::
     {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
      "kv_connector_extra_config": {
          "spec_name": "TorchCpuOffloadingSpec",
-         "spec_module_path": "kvguard.chaos.offload_spec",
+         "spec_module_path": "kvguard.testing.offload_spec",
          "cpu_bytes_to_use": 8388608,             # vLLM's own keys, unchanged
-         "kvguard_complete_after_steps": 2,       # faults: kvguard.chaos.offload_worker
+         "kvguard_complete_after_steps": 2,       # faults: kvguard.testing.offload_worker
          "kvguard_lose_store_every": 0,
          "kvguard_lose_load_every": 0}}
 
 Everything but the worker is vLLM's: the scheduler side, ``CPUOffloadingManager``
 (chunk accounting, LRU eviction), the metrics. Only :meth:`get_worker` is overridden,
 because vLLM's refuses a CPU-only platform. **Test/chaos tooling**: on a GPU use vLLM's
-own ``CPUOffloadingSpec``; see :mod:`kvguard.chaos.offload_worker`.
+own ``CPUOffloadingSpec``; see :mod:`kvguard.testing.offload_worker`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from kvguard.chaos.offload_worker import OffloadFaults, TorchCpuOffloadingWorker
+from kvguard.testing.offload_worker import OffloadFaults, TorchCpuOffloadingWorker
 
 __all__ = ["SPEC_MODULE_PATH", "SPEC_NAME", "TorchCpuOffloadingSpec", "offload_transfer_config"]
 
 SPEC_NAME = "TorchCpuOffloadingSpec"
-SPEC_MODULE_PATH = "kvguard.chaos.offload_spec"
+SPEC_MODULE_PATH = "kvguard.testing.offload_spec"
 
 
 class TorchCpuOffloadingSpec(CPUOffloadingSpec):

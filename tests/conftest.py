@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -43,11 +44,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_SESSION_XDG, ignore_errors=True)
 
 
+_SHARED_SERVERS_DIR = Path(__file__).resolve().parent / "observability"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run tests marked ``kv_connector`` last (stable order otherwise).
+    """Run tests marked ``kv_connector`` after the others, and ``tests/observability`` last
+    of all (stable order otherwise).
 
     vLLM keeps one worker-side KV connector per process: once an in-process
     engine with a connector exists, a later in-process engine without one fails
     (``kv_connector_metadata is not None`` assertion in vLLM's model runner).
+
+    ``tests/observability`` shares session fixtures across its modules (a data-parallel
+    vLLM server, two sidecars, a Prometheus scraping every second, the P/D replay), which
+    pytest stops only when the session ends; it starts no in-process engine. Run last, it
+    leaves the two cores to the P/D and two-node tests instead of loading them for the rest
+    of the session.
     """
-    items.sort(key=lambda item: item.get_closest_marker("kv_connector") is not None)
+    items.sort(key=lambda item: (_SHARED_SERVERS_DIR in item.path.parents,
+                                 item.get_closest_marker("kv_connector") is not None))

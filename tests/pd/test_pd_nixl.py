@@ -72,6 +72,10 @@ def pair(request: pytest.FixtureRequest,
         yield p
 
 
+_FLUSH_AFTER_SECONDS = 5.0
+"""How long the after-test check lets an idle engine be before it makes it step."""
+
+
 @pytest.fixture(autouse=True)
 def _nixl_counters_agree(pair: PdPair) -> Iterator[None]:
     """After every test: on each server, the lease lapses and late reads kvguard's worker
@@ -80,20 +84,24 @@ def _nixl_counters_agree(pair: PdPair) -> Iterator[None]:
     yield
     for name in ("prefill", "decode"):
         seen: dict[str, Any] = {}
+        last_step = [time.monotonic()]
 
-        def agree(name: str = name, seen: dict[str, Any] = seen) -> bool:
+        def agree(name: str = name, seen: dict[str, Any] = seen,
+                  last_step: list[float] = last_step) -> bool:
             seen["ours"], seen["vllm"] = _nixl_counts(pair, name)
-            return bool(seen["ours"] == seen["vllm"])
+            if seen["ours"] == seen["vllm"]:
+                return True
+            if time.monotonic() - last_step[0] > _FLUSH_AFTER_SECONDS:
+                # vLLM ships NIXL's counters to /metrics with a step's output: an idle
+                # engine's last ones wait for its next step. Give it one every few seconds
+                # (only now: a test may rely on an engine getting no traffic) until the
+                # lease has lapsed and both sides have counted it.
+                post_plain(getattr(pair, name), f"flush-{name}")
+                last_step[0] = time.monotonic()
+            return False
         try:
-            until(f"kvguard's NIXL counts on {name} to equal vLLM's", agree, 30.0)
-            continue
-        except AssertionError:
-            # vLLM ships NIXL's counters to /metrics with a step's output: an idle
-            # engine's last ones wait for its next step. Give it one (only now: a test
-            # may rely on an engine getting no traffic).
-            post_plain(getattr(pair, name), f"flush-{name}")
-        try:
-            until(f"kvguard's NIXL counts on {name} to equal vLLM's", agree)
+            until(f"kvguard's NIXL counts on {name} to equal vLLM's", agree,
+                  pair.lease_seconds + WAIT_SECONDS)
         except AssertionError:
             raise AssertionError(f"{name}: (lapses, late reads, expired holds) kvguard "
                                  f"{seen['ours']}, vLLM {seen['vllm']}") from None
@@ -263,20 +271,24 @@ def test_decode_aborted_while_waiting_is_a_finding_on_the_decode_side(pair: PdPa
            lambda: vllm_series(pair.decode.base_url, "vllm:num_requests_running")
            + vllm_series(pair.decode.base_url, "vllm:num_requests_waiting") == 0)
     held = blocks_in_use(pair.decode)
-    assert held > 0  # vLLM keeps the blocks of a request whose KV never arrived
+    assert held > 0, "vLLM keeps the blocks of a request whose KV never arrived"
     bound = 2 * pair.lease_seconds
     r = _latest_drained(pair, "decode", t0 + bound)
     assert r.verdict is Verdict.LEAK, r.explanation
-    (f,) = r.leaks
-    assert f.cause is LeakCause.FINISHED_REQUEST and f.path is LeakPath.REMOTE_KV_WAIT
-    assert "abort-1" in (f.client_request_id or "") and f.blocks == held
+    found = [(f.client_request_id, f.cause.value, f.path.value, f.blocks) for f in r.leaks]
+    mine = [f for f in r.leaks if "abort-1" in (f.client_request_id or "")]
+    assert len(mine) == len(r.leaks) == 1, f"decode findings {found}, vLLM holds {held}"
+    f = mine[0]
+    assert f.cause is LeakCause.FINISHED_REQUEST and f.path is LeakPath.REMOTE_KV_WAIT, found
+    assert f.blocks == held, f"kvguard names {f.blocks} blocks, vLLM holds {held}"
     p_state = state(pair, "prefill")
-    assert p_state.transfers is not None and p_state.transfers.kv_engine_id in f.detail
+    assert p_state.transfers is not None and p_state.transfers.kv_engine_id in f.detail, \
+        f.detail
     # The prefill side was read and let go: clean; the link says where the loss was.
-    assert blocks_in_use(pair.prefill) == 0
+    assert blocks_in_use(pair.prefill) == 0, "the prefill engine still holds blocks"
     links = [ln for ln in link_transfers({"prefill": p_state, "decode": state(pair, "decode")})
              if "abort-1" in ln.decode_request_id]
-    assert [ln.kind for ln in links] == [LinkKind.READ_NOT_RECEIVED]
+    assert [ln.kind for ln in links] == [LinkKind.READ_NOT_RECEIVED], links
 
 
 def test_a_completion_lost_below_kvguard_on_the_prefill_side_is_caught(pair: PdPair) -> None:

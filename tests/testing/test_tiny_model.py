@@ -50,20 +50,21 @@ class Built:
 
     engine: LLMEngine
     counters: dict[str, float]
-    """vLLM's own counters that moved during build_engine() (process-global registry)."""
+    """vLLM's own counters right after build_engine(): this engine's alone, since vLLM's
+    stat logger unregisters every earlier ``vllm:`` collector of the process when the
+    engine is built (``unregister_vllm_metrics``), so a difference against the counters
+    of an engine built earlier in the session would go negative."""
     free_blocks: int
     hashed_blocks: int
 
 
 @pytest.fixture(scope="module")
 def built(model_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
-    before = _vllm_counters()
     with pytest.MonkeyPatch.context() as mp:  # kvguard reads it once, at engine start
         mp.setenv("KVGUARD_RUN_DIR", str(tmp_path_factory.mktemp("run")))
         engine = build_engine(EngineSpec(make_tiny_model(model_root)))
-    after = _vllm_counters()
     pool = scheduler_of(engine).kv_cache_manager.block_pool
-    yield Built(engine, {k: v - before.get(k, 0.0) for k, v in after.items()},
+    yield Built(engine, _vllm_counters(),
                 pool.get_num_free_blocks(),
                 sum(b.block_hash is not None for b in pool.blocks))
     shutdown_engine(engine)

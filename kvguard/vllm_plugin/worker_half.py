@@ -162,18 +162,30 @@ class WorkerHalf:
         def get_new_notifs(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             try:
+                # NIXL's own test (pull mode), applied notification by notification as
+                # NIXL applies this batch: a request whose last expected read comes
+                # earlier in the same batch is released there, so a second notification
+                # for it (a decode that read, then aborted) is already "unrecognized".
+                released: set[str] = set()
+                counts: dict[str, int] = {}
                 for notifs in out.values():  # usually none: nothing to do per step
                     for n in notifs:
                         msg = n.decode("utf-8") if isinstance(n, bytes | bytearray) else str(n)
                         if msg.startswith("HB:"):
                             continue  # a lease renewal, not a read
-                        rid = msg.rsplit(":", 1)[0]
-                        # NIXL's own test, before NIXL applies this batch (pull mode).
-                        if rid not in worker._reqs_to_send \
-                                and rid not in worker._reqs_to_process:
+                        rid, expected = msg.rsplit(":", 1)
+                        if rid in released or (rid not in worker._reqs_to_send
+                                               and rid not in worker._reqs_to_process):
                             self.late_reads_total += 1
                             if self._room():
                                 self._late.append(LateRead(rid, time.time()))
+                            continue
+                        seen = counts.get(rid)
+                        if seen is None:
+                            seen = int(worker.consumer_notification_counts_by_req.get(rid, 0))
+                        counts[rid] = seen + 1
+                        if counts[rid] == int(expected):
+                            released.add(rid)
             except Exception:
                 self.errors_total += 1
             return out

@@ -117,6 +117,28 @@ def test_lapses_and_late_reads_equal_vllms_own_counters_and_reach_the_join() -> 
     assert c.errors_total == 0 and c.dropped_total == 0
 
 
+def test_a_second_notification_in_the_batch_that_released_the_request_is_a_late_read() -> None:
+    """A decode that reads, then aborts, can notify twice before the prefill's worker
+    looks: NIXL releases the request on the first notification and counts the second as
+    after expiry (and logs "Potentially invalid KV blocks"), within one batch. So must
+    kvguard (seen on two real servers: vLLM 3, kvguard 2, until every later test)."""
+    conn = StandInConnector()
+    attach_worker_half(conn, Config)
+    w = conn.connector_worker
+    join = RankJoin()
+    join.feed(reports_of(_step(conn)[1]))
+    w.hold("twice-1", 30.0)
+    w.hold("two-readers", 30.0)
+    w.nixl_wrapper.queue = [b"twice-1:1", b"two-readers:2", b"twice-1:1", b"two-readers:2"]
+    sent, meta = _step(conn)
+    assert sent == {"twice-1", "two-readers"}  # vLLM's own result, unchanged
+    # Both holds ended by their reads: the duplicate is counted, and is no hazard.
+    assert join.feed(reports_of(meta)) == []
+    (c,) = join.ranks.values()
+    vllm_counts = {k: len(v) for k, v in w.xfer_stats.data.items()}
+    assert c.late_reads_total == vllm_counts["num_notifications_after_expiry"] == 1
+
+
 def test_a_renewed_lease_is_reported_as_a_unix_deadline() -> None:
     conn = StandInConnector()
     attach_worker_half(conn, Config)

@@ -70,3 +70,26 @@ def free_loopback_port() -> int:
                 return port
     raise RuntimeError(
         f"no free TCP port on {LOOPBACK} in [{LOWEST_PORT}, {high}): stop servers that hold them")
+
+
+def free_loopback_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that all bind right now
+    (below the ephemeral range, none issued before in this process): for servers that
+    offset one configured port per rank, as vLLM does for data-parallel KV-event endpoints.
+
+    Raises ``ValueError`` for ``count < 1`` and ``RuntimeError`` when no such run is free.
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, not {count}")
+    high = ephemeral_low()
+    span = high - LOWEST_PORT - count + 1
+    with _lock:
+        start = _rng.randrange(span)
+        for step in range(span):
+            first = LOWEST_PORT + (start + step) % span
+            run = range(first, first + count)
+            if not _issued.intersection(run) and all(_binds(p) for p in run):
+                _issued.update(run)
+                return first
+    raise RuntimeError(f"no {count} consecutive free TCP ports on {LOOPBACK} in "
+                       f"[{LOWEST_PORT}, {high}): stop servers that hold them")

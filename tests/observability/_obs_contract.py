@@ -131,7 +131,6 @@ RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
 PD_METRICS = frozenset(n for n, m in CONTRACT.items() if m.pd)
 """Exported only by engines with a KV connector: the P/D replay's targets, not the
 data-parallel server's."""
-KV_EVENTS = frozenset(n for n, m in CONTRACT.items() if m.kv_events)
 """Exported only for engines that publish KV events (the observability targets do not)."""
 OFFLOAD = frozenset(n for n, m in CONTRACT.items() if m.offload)
 """Exported only by engines with an offloading KV connector (the observability targets have
@@ -201,9 +200,10 @@ class PanelQuery:
         return bool(self.metrics & PD_METRICS)
 
     @property
-    def kv_events(self) -> bool:
-        """Only KV-event series: the observability targets (no KV events) give no data."""
-        return bool(self.metrics) and self.metrics <= KV_EVENTS
+    def diverged_mirrors(self) -> bool:
+        """The KV-event panel's query that lists only mirrors whose verdict is a fault: the
+        observability targets' mirrors are healthy, so it must give no data there."""
+        return self.metrics == {"kvguard_kv_events_verdict"}
 
     @property
     def offload(self) -> bool:

@@ -58,7 +58,7 @@ from _pd_replay import phases as pd_phases
 from kvguard.chaos.faults import SCHEDULER_CLS
 from kvguard.demo.run import fault_fired, wait_for_checkpoint
 from kvguard.testing.engine import EngineSpec, ServerProcess
-from kvguard.testing.ports import free_loopback_port
+from kvguard.testing.ports import free_loopback_port, free_loopback_ports
 from kvguard.testing.tiny_model import WORDS, make_tiny_model
 from kvguard.testing.warmup import WARMUP_PROMPT_TOKENS
 from kvguard.testing.workload import rank_headers, run_workload
@@ -205,13 +205,22 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DataParallel
     last block keeps a reference nobody owns: deterministic) and ``skip_free_on_abort=1``
     (the first request a hanging-up client aborts keeps its blocks). Rank 0 is healthy and
     its prefix cache is filled until saturated. Every request names its rank
-    (``X-data-parallel-rank``).
+    (``X-data-parallel-rank``). Both ranks publish KV events (``--kv-events-config``, ZMQ on
+    loopback TCP), which the sidecar, started after the workload, mirrors from the replay
+    endpoints.
     """
     root = tmp_path_factory.mktemp("observability")
     run_dir = root / "run"
+    # KV events as a KV-aware router consumes them: ZMQ PUB and ROUTER replay on TCP (vLLM
+    # refuses ipc:// for ranks above 0), each rank on the configured port plus its rank.
+    pub, replay = (free_loopback_ports(DATA_PARALLEL_SIZE) for _ in range(2))
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
+                 "endpoint": f"tcp://127.0.0.1:{pub}",
+                 "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
     spec = EngineSpec(model_dir=make_tiny_model(root / "model"), max_num_seqs=8,
                       extra={"scheduler_cls": SCHEDULER_CLS,
-                             "data_parallel_size": DATA_PARALLEL_SIZE})
+                             "data_parallel_size": DATA_PARALLEL_SIZE,
+                             "kv_events_config": kv_events})
     # The workload is short (a few hundred engine steps): the online audit gets 5 % of
     # scheduler time (default 0.5 %) so that its sweeps complete and its series exist, and
     # kvguard meters its own cost in 8 of every 16 steps (default: 8 of 512).

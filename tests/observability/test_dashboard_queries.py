@@ -19,7 +19,6 @@ import pytest
 from _obs_contract import (
     CONTRACT,
     HOST_METRICS,
-    KV_EVENTS,
     OFFLOAD,
     OPERATIONAL,
     PD_METRICS,
@@ -167,8 +166,15 @@ def test_reserved_panels_say_so() -> None:
 
 def test_target_exposes_the_contract(metrics_target: str) -> None:
     """What the target serves is the contract: known names, types, labels, label values."""
-    with urllib.request.urlopen(metrics_target, timeout=10) as resp:
-        text = resp.read().decode()
+    # The mirror's block counts exist once the sidecar has compared a mirror with its pool
+    # (it joined after the workload and replays first): read again until they are there.
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while True:
+        with urllib.request.urlopen(metrics_target, timeout=10) as resp:
+            text = resp.read().decode()
+        if "kvguard_kv_events_mirror_blocks{" in text or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     seen: set[str] = set()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -187,7 +193,8 @@ def test_target_exposes_the_contract(metrics_target: str) -> None:
             seen.add(sample.name)
     # The P/D metrics come only from engines with a KV connector (test_pd_observability).
     assert not seen & PD_METRICS, "an engine without a KV connector exports P/D series"
-    missing = set(CONTRACT) - RESERVED - PD_METRICS - KV_EVENTS - OFFLOAD - seen
+    # Both ranks publish KV events (conftest.py): the KV-event series are expected too.
+    missing = set(CONTRACT) - RESERVED - PD_METRICS - OFFLOAD - seen
     assert not missing, f"target does not export {sorted(missing)}"
 
 
@@ -200,11 +207,15 @@ def test_panel_query_returns_data(request: pytest.FixtureRequest, q: PanelQuery)
     P/D replay's for the P/D row (only engines with a KV connector export its series)."""
     scraped: PrometheusServer = request.getfixturevalue("pd_scraped" if q.pd else "scraped")
     expr = grafana_expand(q.expr)
-    if q.reserved or q.kv_events or q.offload:
-        # exported by a later release, or only for engines with KV events (tests/kv_events
-        # reads those from a real sidecar) or an offloading connector
+    if q.reserved or q.offload:
+        # exported by a later release, or only for engines with an offloading connector
         # (tests/sidecar/test_offload_metrics.py): the query must be valid, data is optional
         _query(scraped, expr)
+        return
+    if q.diverged_mirrors:  # both ranks' mirrors are consistent (test_data_parallel.py)
+        assert _poll(scraped, 'count(kvguard_kv_events_verdict{verdict="consistent"} == 1) == 2',
+                     DATA_TIMEOUT_S), "both ranks' mirrors to be judged consistent"
+        assert _query(scraped, expr) == [], f"panel {q.title!r} shows a healthy mirror"
         return
     result = _poll(scraped, expr, DATA_TIMEOUT_S)
     assert result, f"panel {q.title!r}: no series for {expr}"
@@ -341,3 +352,19 @@ def test_kvguard_series_join_vllms_own_on_model_name_and_engine(
         assert r["metric"]["engine_name"] == engine.name
         assert float(r["value"][1]) == pytest.approx(vllm_blocks_in_use(engine)), r
     assert vllm_blocks_in_use(leaking_engine) > 0
+
+
+def test_kv_event_mirror_panel_shows_the_blocks_vllm_keeps_cached(
+        scraped: PrometheusServer, saturated_engine: SaturatedEngine) -> None:
+    """The KV-event panel's mirror blocks on the saturated rank: every block vLLM keeps
+    cached there is matched in the mirror, none stale or missing."""
+    expr = grafana_expand(_panel({"kvguard_kv_events_mirror_blocks"}).expr)
+    truth = saturated_engine.cached_blocks_truth
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while True:
+        shown = _by_engine(_query(scraped, expr), "state")
+        if shown.get((SATURATED, "matched")) == truth or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert {k[1]: v for k, v in shown.items() if k[0] == SATURATED} == {
+        "matched": truth, "stale": 0, "missing": 0}, shown

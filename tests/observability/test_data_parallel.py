@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -93,3 +94,33 @@ def test_status_page_shows_both_ranks(leaking_engine: ObservedEngine,
         expect(leak.get_by_test_id("leaks-caption")).to_contain_text(
             re.compile(rf"\b{held} distinct blocks? leaked"))
         expect(sat.get_by_test_id("leak-row")).to_have_count(0)
+
+
+def test_each_rank_is_mirrored_from_its_own_kv_event_endpoint(
+        leaking_engine: ObservedEngine, saturated_engine: SaturatedEngine) -> None:
+    """vLLM offsets the KV-event endpoints by the data-parallel rank; the sidecar follows
+    each rank on its own (joining after the workload: everything comes from the replay
+    endpoints) and checks each mirror against that rank's pool. The saturated rank's mirror
+    holds exactly the blocks vLLM says it keeps cached; the leaking rank's held blocks are
+    still cached blocks, so its mirror agrees with its pool too (a leak is not a mirror
+    fault)."""
+    states = {s.engine: s for s in read_run_dir(leaking_engine.run_dir).states}
+    kv = {name: states[name].kv_events for name in (SATURATED, LEAKING)}
+    assert all(k is not None for k in kv.values()), kv
+    pub = {name: k.endpoint for name, k in kv.items() if k is not None}
+    port = int(pub[SATURATED].rsplit(":", 1)[1])
+    assert pub == {SATURATED: f"tcp://127.0.0.1:{port}", LEAKING: f"tcp://127.0.0.1:{port + 1}"}
+    base = leaking_engine.sidecar_metrics_url.removesuffix("/metrics")
+    deadline = time.monotonic() + 60
+    while True:
+        checks = {r["engine"]: r["kv_events"] for r in
+                  httpx.get(base + "/v1/report", timeout=10).json()["engines"]}
+        if all(c is not None and c["verdict"] != "pending" for c in checks.values()):
+            break
+        assert time.monotonic() < deadline, f"a rank's mirror check stayed pending: {checks}"
+        time.sleep(0.5)
+    sat, leak = checks[SATURATED], checks[LEAKING]
+    assert sat["verdict"] == "consistent", sat
+    assert sat["pool_blocks"] == sat["mirror_blocks"] == saturated_engine.cached_blocks_truth
+    assert leak["verdict"] == "consistent", leak
+    assert leak["pool_blocks"] == leak["mirror_blocks"] > 0, leak

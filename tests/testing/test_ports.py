@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 
 from kvguard.testing import ports
-from kvguard.testing.ports import LOWEST_PORT, ephemeral_low, free_loopback_port
+from kvguard.testing.ports import (
+    LOWEST_PORT,
+    ephemeral_low,
+    free_loopback_port,
+    free_loopback_ports,
+)
 
 
 def test_ports_come_from_below_the_kernels_ephemeral_range_and_bind() -> None:
@@ -39,3 +44,17 @@ def test_an_unreadable_or_odd_range_file_falls_back_to_linux_default(tmp_path: P
     assert ephemeral_low(tmp_path / "odd") == 32_768
     (tmp_path / "ok").write_text("40000\t60999\n")
     assert ephemeral_low(tmp_path / "ok") == 40_000
+
+
+def test_consecutive_ports_skip_a_run_with_one_held_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", LOWEST_PORT + 1))
+        held.listen()
+        # Ports LOWEST_PORT .. +4: the only run of two free ports is +2, +3 (+0 has +1 held).
+        monkeypatch.setattr(ports, "ephemeral_low", lambda: LOWEST_PORT + 4)
+        monkeypatch.setattr(ports, "_issued", set())
+        assert free_loopback_ports(2) == LOWEST_PORT + 2
+        with pytest.raises(RuntimeError, match="no 2 consecutive free TCP ports"):
+            free_loopback_ports(2)  # +2, +3 issued; +0 has +1 held
+    with pytest.raises(ValueError, match="at least 1"):
+        free_loopback_ports(0)

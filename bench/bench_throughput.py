@@ -38,6 +38,8 @@ both sides at the same moments:
   1.00x) and a busy wait of ``KVGUARD_BENCH_THROUGHPUT_BURN_US`` (default 70 us) after
   each step of the treated engine, timed with it (the interval must hold the ratio that
   the wait's share of the time gives).
+- ``interleaved-kv-events-sync`` (``bench_kv_events.py``, target 10): both engines publish
+  KV events with kvguard's hooks in on both; the treatment is kvguard's KV-event tap alone.
 - ``server``: two real OpenAI servers on 127.0.0.1, one with kvguard and one with
   ``KVGUARD_ENABLED=0``, driven by the official ``openai`` client (``AsyncOpenAI``, 128
   concurrent completions), one repetition each in turn.
@@ -74,10 +76,12 @@ from harness import (
     Pairs,
     Worker,
     across_processes,
+    kv_tap,
     kvguard_hooks,
     reply,
     save,
     set_hooks,
+    set_kv_tap,
     t_interval,
 )
 
@@ -108,7 +112,7 @@ CONTROL_BURN_US = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_BURN_US", "70")
 """The ``interleaved-control-*`` modes' known cost: a busy wait of this many microseconds
 after every step of the treated engine (about 2 % of a step of this workload here)."""
 MODES = ("interleaved-sync", "interleaved-async", "interleaved-control-sync",
-         "interleaved-control-async", "server")
+         "interleaved-control-async", "interleaved-kv-events-sync", "server")
 DEFAULT_MODES = ("interleaved-control-sync", "interleaved-sync", "interleaved-async", "server")
 SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
 """Both sides: vLLM iterates sets of request ids, so two processes with different hash
@@ -131,16 +135,21 @@ def spec_for(model_dir: Path, scheduling: str) -> Any:
 
 
 # ------------------------------------------------------------------ in-process workers
-def _warm_llm(scheduling: str, model_dir: str) -> Any:
-    """An ``LLM`` in this process (engine core in process too), warmed up."""
+def _warm_llm(scheduling: str, model_dir: str, kv_events: str | None = None) -> Any:
+    """An ``LLM`` in this process (engine core in process too), warmed up; with
+    ``kv_events`` (an endpoint), publishing KV events there as a router's engine does."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
+    from vllm.config import KVEventsConfig
 
     from kvguard.testing.scheduling import Scheduling, requesting_async
     from kvguard.testing.warmup import warm_up_engine
 
     kwargs = spec_for(Path(model_dir), scheduling).engine_kwargs()
     kwargs.pop("async_scheduling", None)
+    if kv_events:
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events, topic="")
     if scheduling == Scheduling.ASYNC:
         with requesting_async():
             llm = LLM(**kwargs, async_scheduling=True)
@@ -150,22 +159,27 @@ def _warm_llm(scheduling: str, model_dir: str) -> Any:
     return llm
 
 
-def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: int, *,
-                            hooked: bool, burn_seconds: float) -> dict[str, Any]:
+def _interleaved_repetition(llms: list[Any], hooks: list[Any], taps: list[Any], seed: int,
+                            on: int, *, hooked: bool, burn_seconds: float,
+                            tap_only: bool = False) -> dict[str, Any]:
     """One repetition on both engines at once, stepped in turn. Engine ``on`` gets the
     treatment: kvguard's hooks in (``hooked``; the other engine's are out, and with
     ``hooked`` false both are out) and a busy wait of ``burn_seconds`` after each of its
     steps, timed with it (the positive control's known cost). Each engine's wall time is
     the sum of its own ``add_request`` and ``step`` calls (what ``LLM.generate`` spends on
     it). The step order alternates per step, so neither engine always runs right after the
-    other. Garbage collections are timed and charged to the engine whose call they ran in."""
+    other. Garbage collections are timed and charged to the engine whose call they ran in.
+    With ``tap_only`` kvguard's hooks are in on both engines and the treatment is its
+    KV-event tap (``taps``), in on engine ``on`` only."""
     import gc
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     for i, llm in enumerate(llms):
-        set_hooks(hooks[i], hooked and i == on)
+        set_hooks(hooks[i], hooked and (tap_only or i == on))
+        if taps[i] is not None:
+            set_kv_tap(taps[i], not tap_only or i == on)
         llm.reset_prefix_cache()  # neither side hits the blocks the other cached
     engines = [llm.llm_engine for llm in llms]
     params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
@@ -213,20 +227,34 @@ def _interleaved_repetition(llms: list[Any], hooks: list[Any], seed: int, on: in
     return {"seconds": seconds, "gc_seconds": gc_seconds, "tokens": tokens, "steps": steps}
 
 
-def interleave_worker(scheduling: str, model_dir: str) -> None:
-    """Two ``LLM``s with kvguard in this process; each ``run SEED ON HOOKED BURN_US`` runs
-    one repetition on both, stepped in turn, the treatment on engine ON (0 or 1) only."""
+def interleave_worker(scheduling: str, model_dir: str, kv_events: bool) -> None:
+    """Two ``LLM``s with kvguard in this process (``kv_events``: each publishing KV events
+    on an ``ipc://`` endpoint of its own); each ``run SEED ON HOOKED BURN_US TAP_ONLY``
+    runs one repetition on both, stepped in turn, the treatment on engine ON (0 or 1)."""
     from kvguard.testing.engine import scheduler_of
 
-    llms = [_warm_llm(scheduling, model_dir) for _ in range(2)]
+    sock_dir = tempfile.mkdtemp(prefix="kvguard-bench-kvev-")
+    llms = [_warm_llm(scheduling, model_dir, f"ipc://{sock_dir}/pub{i}" if kv_events else None)
+            for i in range(2)]
     hooks = [kvguard_hooks(scheduler_of(llm.llm_engine)) for llm in llms]
-    if not all(hooks):
-        raise RuntimeError("kvguard's hooks are not installed on both engines")
+    clock = [0.0]
+    taps = [kv_tap(scheduler_of(llm.llm_engine), clock) for llm in llms]
+    if not all(hooks) or (kv_events and not all(taps)):
+        raise RuntimeError("kvguard's hooks (and KV-event taps) are not on both engines")
     reply("ready")
+    treated = 0.0  # the tap-treated engine's time over the timed repetitions
     for line in sys.stdin:
-        _, seed, on, hooked, burn_us = line.split()
-        reply(_interleaved_repetition(llms, hooks, int(seed), int(on), hooked=hooked == "1",
-                                      burn_seconds=float(burn_us) * 1e-6))
+        if line.strip() == "clocked":  # the tap's own share of its engine's time
+            reply({"tap_seconds": clock[0], "treated_seconds": treated})
+            continue
+        _, seed, on, hooked, burn_us, tap_only = line.split()
+        if seed == "0":
+            clock[0] = 0.0  # the untimed warm-up repetitions
+        out = _interleaved_repetition(llms, hooks, taps, int(seed), int(on),
+                                      hooked=hooked == "1", tap_only=tap_only == "1",
+                                      burn_seconds=float(burn_us) * 1e-6)
+        treated += out["seconds"][int(on)] if tap_only == "1" and seed != "0" else 0.0
+        reply(out)
     os._exit(0)
 
 
@@ -238,9 +266,14 @@ class Treatment(NamedTuple):
     """kvguard's hooks in (else out on both engines)."""
     burn_us: float
     """A busy wait after each of its steps, in microseconds."""
+    tap_only: bool = False
+    """kvguard's hooks in on both engines, its KV-event tap on the treated one only."""
 
 
 KVGUARD: Final = Treatment("kvguard", True, 0.0)
+KV_TAP: Final = Treatment("kv-events tap", True, 0.0, tap_only=True)
+"""``interleaved-kv-events-sync``: both engines publish KV events with kvguard in; the
+treated one also runs kvguard's side of the KV-event mirror check (issue 39's cost)."""
 CONTROLS: Final = (Treatment("null", False, 0.0), Treatment("burn", False, CONTROL_BURN_US))
 """The ``interleaved-control-*`` modes' treatments, in turn: nothing (both engines the
 same: the ratio must be 1), and a busy wait of known length (the ratio must be the one
@@ -252,7 +285,8 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
     """One worker process of an ``interleaved-*`` mode: pairs of each treatment in turn
     until every treatment's interval is within the target's width (past
     ``MIN_INTERLEAVED_PAIRS``), or ``budget_seconds`` are spent (past ``MIN_PAIRS``)."""
-    worker = Worker(__file__, ["interleave", scheduling, str(model_dir)],
+    kv_events = any(t.tap_only for t in treatments)
+    worker = Worker(__file__, ["interleave", scheduling, str(model_dir), str(int(kv_events))],
                     {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1",
                      "KVGUARD_RUN_DIR": str(log.parent / f"run-{log.stem}")}, log)
     expected = REQUESTS * OUTPUT_TOKENS
@@ -261,7 +295,7 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
     try:
         for t in treatments:  # untimed: caches warm with each treatment on each engine
             for on in (0, 1):
-                worker.ask(f"run 0 {on} {int(t.hooked)} {t.burn_us}")
+                worker.ask(f"run 0 {on} {int(t.hooked)} {t.burn_us} {int(t.tap_only)}")
         started = time.monotonic()
         n = 0
         while n < MAX_PAIRS * len(treatments):
@@ -269,7 +303,8 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
             n += 1
             got: dict[int, dict[str, Any]] = {}
             for on in ((0, 1) if (n // len(treatments)) % 2 else (1, 0)):
-                out = worker.ask(f"run {n * 2 + on} {on} {int(t.hooked)} {t.burn_us}")
+                out = worker.ask(f"run {n * 2 + on} {on} {int(t.hooked)} {t.burn_us} "
+                                 f"{int(t.tap_only)}")
                 assert isinstance(out, dict)
                 if out["tokens"] != [expected, expected] or out["steps"][0] != out["steps"][1]:
                     raise RuntimeError(f"{mode}: the two engines did different work "
@@ -282,6 +317,10 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
                     all(p.done() for p in pairs.values())  # past MIN_INTERLEAVED_PAIRS
                     or (fewest >= MIN_PAIRS and time.monotonic() - started > budget_seconds)):
                 break
+        if kv_events:
+            clocked = worker.ask("clocked")
+            assert isinstance(clocked, dict)
+            pairs[KV_TAP.name].clocked = clocked["tap_seconds"] / clocked["treated_seconds"]
     finally:
         worker.close()
     return pairs
@@ -300,7 +339,8 @@ def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, obje
     treatment and a busy wait of known length (neither depends on where a process's code
     landed)."""
     control = mode.startswith("interleaved-control-")
-    scheduling = mode.removeprefix("interleaved-control-").removeprefix("interleaved-")
+    scheduling = mode.rsplit("-", 1)[1]
+    treated = KV_TAP if mode.startswith("interleaved-kv-events-") else KVGUARD
     if control:
         pairs = _interleaved_process(mode, scheduling, CONTROLS, model_dir, log,
                                      BUDGET_SECONDS)
@@ -316,14 +356,18 @@ def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, obje
         return row
     per_process = []
     for k in range(PROCESSES):
-        one = _interleaved_process(mode, scheduling, (KVGUARD,), model_dir,
+        one = _interleaved_process(mode, scheduling, (treated,), model_dir,
                                    log.with_name(f"{log.stem}-{k}.log"),
                                    BUDGET_SECONDS / 2)
-        per_process.append(one[KVGUARD.name].row(mode))
+        per_process.append(one[treated.name].row(mode))
+        if treated is KV_TAP:  # its own engine-thread time, directly (target 10)
+            per_process[-1]["tap_clocked_share"] = one[treated.name].clocked
         _print_interleaved(per_process[-1])
     if len(per_process) == 1:  # KVGUARD_BENCH_THROUGHPUT_PROCESSES=1: its pairs' interval
         return per_process[0]
     row = across_processes(mode, per_process, REQUESTS * OUTPUT_TOKENS)
+    if treated is KV_TAP:
+        row["tap_clocked_shares"] = [r["tap_clocked_share"] for r in per_process]
     print(f"{mode}: over {PROCESSES} processes {row['mean_ratio']:.4f} +- "
           f"{row['ci95_half_width']:.4f} (process means "
           + ", ".join(f"{m:.4f}" for m in row["process_means"]) + ")", flush=True)
@@ -455,7 +499,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[1:3] == ["worker", "interleave"]:
-        interleave_worker(sys.argv[3], sys.argv[4])
+    if len(sys.argv) > 5 and sys.argv[1:3] == ["worker", "interleave"]:
+        interleave_worker(sys.argv[3], sys.argv[4], sys.argv[5] == "1")
     else:
         main()

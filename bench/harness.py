@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULTS = Path(os.environ.get("KVGUARD_BENCH_RESULTS") or Path(__file__).with_name("results"))
 
@@ -102,6 +102,51 @@ def set_hooks(hooks: list[tuple[Any, str, Any]], on: bool) -> None:
             o.__dict__.pop(n, None)
 
 
+class KvTap(NamedTuple):
+    """kvguard's side of the KV-event mirror check on one engine, to take out and put back."""
+
+    session: Any
+    tap: Any
+    publisher: Any
+    publish: Any
+    """kvguard's wrapper of the publisher's ``publish`` (its one per-step cost)."""
+
+
+def kv_tap(scheduler: Any, clock: list[float]) -> KvTap | None:
+    """kvguard's KV-event tap on an engine (None: it publishes no KV events), its two
+    engine-thread parts (the publish wrapper, the drained-checkpoint snapshot) timed into
+    ``clock[0]`` (seconds; a ``perf_counter`` pair per call, about 0.1 us)."""
+    from kvguard.vllm_plugin.guard import guard_of
+
+    g = guard_of(scheduler)
+    if g is None or g.kv_events is None:
+        return None
+    pub, tap = scheduler.kv_event_publisher, g.kv_events
+    pc = time.perf_counter
+
+    def timed(f: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = pc()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                clock[0] += pc() - t
+        return call
+
+    tap.snapshot = timed(tap.snapshot)
+    return KvTap(g, tap, pub, timed(pub.__dict__["publish"]))
+
+
+def set_kv_tap(t: KvTap, on: bool) -> None:
+    """Put the tap in (its publish wrapper, its drained-checkpoint snapshot) or take it out
+    (the publisher's own ``publish`` back, no snapshot)."""
+    if on:
+        t.session.kv_events, t.publisher.publish = t.tap, t.publish
+    else:
+        t.session.kv_events = None
+        t.publisher.__dict__.pop("publish", None)
+
+
 MARK = "@@kvguard-bench@@ "
 """Prefix of a worker's own lines on stdout (vLLM logs to the same stream)."""
 
@@ -179,6 +224,13 @@ def t_interval(samples: list[float]) -> tuple[float, float]:
 
 def ok(flag: bool) -> str:
     return "**pass**" if flag else "**miss**"
+
+
+def no_change_verdict(row: dict[str, Any], target_half: float) -> str:
+    """Target 10's verdict: no measurable change means a 95 % interval no wider than
+    ``target_half`` either side that holds 1.00x (a wider one resolves nothing)."""
+    mean, half = row["mean_ratio"], row["ci95_half_width"]
+    return ok(mean - half <= 1.0 <= mean + half and half <= target_half)
 
 
 def never_waited(row: dict) -> bool:  # type: ignore[type-arg]
@@ -291,6 +343,8 @@ class Pairs:
         self.seconds: dict[bool, list[float]] = {True: [], False: []}
         self.gc_share: dict[bool, list[float]] = {True: [], False: []}
         self.steps: list[int] = []
+        self.clocked: float | None = None
+        """Target 10: the treatment's own engine-thread time over the treated engine's."""
 
     def add(self, got: dict[int, dict[str, Any]]) -> None:
         for on, out in got.items():

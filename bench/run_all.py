@@ -13,6 +13,8 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = ["bench_hook_overhead.py", "bench_step_mix.py", "bench_throughput.py",
            "bench_audit.py", "bench_scrape.py", "bench_memory.py", "bench_transport.py",
            "bench_publisher.py", "bench_cost_meter.py", "bench_scheduler_versions.py"]
+"""Not here: ``bench_kv_events.py`` (target 10), whose 8.5 minutes would take the run past
+target 5's 20; it runs on its own (``.venv/bin/python bench/bench_kv_events.py``)."""
 
 
 def write_reports() -> None:

@@ -299,3 +299,14 @@ def test_the_demos_end_to_end_figure_is_the_benchmarks() -> None:
     rows = [r for r in report.load("throughput")["rows"]
             if r["mode"] in ("interleaved-sync", "interleaved-async")]
     assert rows and all(round(r["mean_ratio"], 2) == END_TO_END_AT_DEFAULTS for r in rows)
+
+
+@pytest.mark.parametrize(("mean", "half", "expected"), [
+    (1.0003, 0.0036, "**pass**"),  # 2026-12-06: within +-0.5 %, holds 1.00x
+    (1.0100, 0.0220, "**miss**"),  # holds 1.00x, but too wide to say "no change"
+    (0.9900, 0.0040, "**miss**"),  # narrow, and a measurable cost
+])
+def test_target_10_is_no_change_only_with_a_narrow_interval_holding_one(
+        mean: float, half: float, expected: str) -> None:
+    row = {"mean_ratio": mean, "ci95_half_width": half}
+    assert harness.no_change_verdict(row, report.TARGET_HALF_KV) == expected

@@ -9,9 +9,12 @@ and judges the engine's drained snapshot after its own workload. Losses are made
 below kvguard:
 
 * a batch lost on the way to the subscriber: a test-side input filter discards it (SUB only:
-  replay repairs it; SUB and replay: nothing can repair it). A real ZMQ drop (PUB high-water
-  mark) cannot be produced on demand with this tiny model's batches, and the filter sits
-  exactly where such a drop shows up: a sequence number that never arrives;
+  replay repairs it; SUB and replay: nothing can repair it). This server keeps vLLM's
+  default high-water mark, so ZMQ drops nothing here; the filter sits exactly where such a
+  drop shows up: a sequence number that never arrives. (A server with ``hwm`` 10 does drop:
+  320 requests published 1,079 batches in 31 s, a stalled SUB received 190 and replay gave
+  back the rest, measured 2026-12-06; ``test_subscriber_zmq.py`` bursts vLLM's own publisher
+  in-process the same way);
 * a ``BlockRemoved`` (or ``BlockStored``) the engine never published (the test scheduler takes
   it out of its batch before vLLM's publisher sees it): the pool evicted (or cached) the
   block, the sequence has no gap.

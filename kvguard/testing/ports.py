@@ -59,17 +59,7 @@ def free_loopback_port() -> int:
     port in ``[LOWEST_PORT, ephemeral_low())`` binds (free some, or widen the
     range with ``sysctl net.ipv4.ip_local_port_range``).
     """
-    high = ephemeral_low()
-    span = high - LOWEST_PORT
-    with _lock:
-        start = _rng.randrange(span)
-        for step in range(span):
-            port = LOWEST_PORT + (start + step) % span
-            if port not in _issued and _binds(port):
-                _issued.add(port)
-                return port
-    raise RuntimeError(
-        f"no free TCP port on {LOOPBACK} in [{LOWEST_PORT}, {high}): stop servers that hold them")
+    return free_loopback_ports(1)
 
 
 def free_loopback_ports(count: int) -> int:
@@ -91,5 +81,6 @@ def free_loopback_ports(count: int) -> int:
             if not _issued.intersection(run) and all(_binds(p) for p in run):
                 _issued.update(run)
                 return first
-    raise RuntimeError(f"no {count} consecutive free TCP ports on {LOOPBACK} in "
-                       f"[{LOWEST_PORT}, {high}): stop servers that hold them")
+    what = "free TCP port" if count == 1 else f"{count} consecutive free TCP ports"
+    raise RuntimeError(f"no {what} on {LOOPBACK} in [{LOWEST_PORT}, {high}): stop servers "
+                       "that hold them")

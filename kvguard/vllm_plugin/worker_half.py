@@ -161,6 +161,8 @@ class WorkerHalf:
         @functools.wraps(orig)
         def get_new_notifs(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
+            if not out:  # most steps: no notification at all
+                return out
             try:
                 # NIXL's own test (pull mode), applied notification by notification as
                 # NIXL applies this batch: a request whose last expected read comes
@@ -168,7 +170,7 @@ class WorkerHalf:
                 # for it (a decode that read, then aborted) is already "unrecognized".
                 released: set[str] = set()
                 counts: dict[str, int] = {}
-                for notifs in out.values():  # usually none: nothing to do per step
+                for notifs in out.values():
                     for n in notifs:
                         msg = n.decode("utf-8") if isinstance(n, bytes | bytearray) else str(n)
                         if msg.startswith("HB:"):

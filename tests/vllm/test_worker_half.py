@@ -14,6 +14,8 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
+import vllm.distributed.kv_transfer.kv_connector.v1.nixl as nixl
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvguard.core.worker_reports import RankJoin
 from kvguard.vllm_plugin import worker_half
@@ -22,11 +24,6 @@ from kvguard.vllm_plugin.worker_half import (
     attach_worker_half,
     reports_of,
     worker_half_of,
-)
-
-nixl = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl")
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
-    KVConnectorTransferResults,
 )
 
 

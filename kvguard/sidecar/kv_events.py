@@ -38,12 +38,15 @@ class WatchedEngine:
 
 
 class KvEventsWatch:
-    def __init__(self, *, replay: bool = True,
+    def __init__(self, *, replay: bool = True, receive_hwm: int = 0,
                  input_filter_for: InputFilterFactory | None = None) -> None:
         """``replay``: ask the engine's replay endpoint for missed batches (off: a router
-        without replay, whose gaps stay open)."""
+        without replay, whose gaps stay open). ``receive_hwm``: each subscriber's ZMQ
+        receive high-water mark in batches (0: unbounded; a bounded one drops on this side
+        when the subscriber falls behind, as a router with a small queue does)."""
         self.engines: dict[str, WatchedEngine] = {}
         self.replay = replay
+        self.receive_hwm = receive_hwm
         self.checks: dict[str, KvEventsCheck] = {}
         self._input_filter_for = input_filter_for
 
@@ -62,7 +65,7 @@ class KvEventsWatch:
                 sub = KvEventSubscriber(SubscriberOptions(
                     endpoint=kv.endpoint,
                     replay_endpoint=kv.replay_endpoint if self.replay else None, topic=kv.topic,
-                    medium=kv.medium), input_filter=flt)
+                    medium=kv.medium, receive_hwm=self.receive_hwm), input_filter=flt)
                 sub.start()
                 w = self.engines[st.engine] = WatchedEngine(sub, kv.endpoint, st.epoch)
             sub = w.subscriber

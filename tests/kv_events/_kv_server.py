@@ -45,9 +45,9 @@ class KvServer:
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.status == 200
 
-    def run(self, prompts: list[list[int]], concurrency: int = 4) -> None:
+    def run(self, prompts: list[list[int]], concurrency: int = 4, max_tokens: int = 4) -> None:
         with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(self.complete, prompts))
+            list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
 
     def reset_prefix_cache(self) -> None:
         req = urllib.request.Request(f"{self.server.base_url}/reset_prefix_cache", data=b"",
@@ -108,8 +108,10 @@ def prompts(family: int, n: int, *, prefix_blocks: int = 3, suffix_blocks: int =
 
 @contextmanager
 def kv_server(model_dir: Path, log_dir: Path, *, env: dict[str, str] | None = None,
-              replay: bool = True) -> Iterator[KvServer]:
-    """The server with kvguard and KV events on ``ipc://`` endpoints in a short temp dir."""
+              replay: bool = True, publisher: dict[str, object] | None = None,
+              ) -> Iterator[KvServer]:
+    """The server with kvguard and KV events on ``ipc://`` endpoints in a short temp dir;
+    ``publisher``: more ``kv_events_config`` keys (``hwm``, ``buffer_steps``)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="kvev-", dir="/tmp"))
     run_dir, truth_dir = log_dir / "run", log_dir / "truth"
     truth_dir.mkdir(parents=True, exist_ok=True)
@@ -118,6 +120,7 @@ def kv_server(model_dir: Path, log_dir: Path, *, env: dict[str, str] | None = No
                                  "endpoint": endpoint, "topic": ""}
     if replay:
         kv_cfg["replay_endpoint"] = replay_ep
+    kv_cfg.update(publisher or {})
     spec = EngineSpec(model_dir=model_dir, max_num_seqs=8, extra={
         "kv_events_config": kv_cfg, "scheduler_cls": "kv_truth_scheduler.KvTruthScheduler"})
     child_env = {"VLLM_PLUGINS": "kvguard", "KVGUARD_RUN_DIR": str(run_dir),

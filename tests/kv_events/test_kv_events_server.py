@@ -8,13 +8,13 @@ own sidecar-side watch, whose subscriber joins late and catches up from the repl
 and judges the engine's drained snapshot after its own workload. Losses are made on purpose,
 below kvguard:
 
+* a burst past the publisher's high-water mark: this server publishes with ``hwm`` 10 (vLLM's
+  default is 100,000), and a subscriber whose own receive mark is 10 stalls on its first
+  live batch while 160 requests run; ZMQ drops what does not fit on either side, and replay
+  gives it back;
 * a batch lost on the way to the subscriber: a test-side input filter discards it (SUB only:
-  replay repairs it; SUB and replay: nothing can repair it). This server keeps vLLM's
-  default high-water mark, so ZMQ drops nothing here; the filter sits exactly where such a
-  drop shows up: a sequence number that never arrives. (A server with ``hwm`` 10 does drop:
-  320 requests published 1,079 batches in 31 s, a stalled SUB received 190 and replay gave
-  back the rest, measured 2026-12-06; ``test_subscriber_zmq.py`` bursts vLLM's own publisher
-  in-process the same way);
+  replay repairs it; SUB and replay: nothing can repair it), so that the lost sequence
+  number is exactly the one the test names;
 * a ``BlockRemoved`` (or ``BlockStored``) the engine never published (the test scheduler takes
   it out of its batch before vLLM's publisher sees it): the pool evicted (or cached) the
   block, the sequence has no gap.
@@ -55,18 +55,23 @@ from kvguard.testing.tiny_model import make_tiny_model
 from kvguard.transport.state import EngineState
 
 ENGINE_LABELS_SORTED = sorted(ENGINE_LABELS)
+PUBLISHER_HWM = 10
+"""The server's ZMQ send high-water mark (batches); the replay socket has none."""
 
 
 @pytest.fixture(scope="module")
 def ks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KvServer]:
     base = tmp_path_factory.mktemp("kvev")
-    with kv_server(make_tiny_model(base / "model"), base / "srv") as server:
+    with kv_server(make_tiny_model(base / "model"), base / "srv",
+                   publisher={"hwm": PUBLISHER_HWM}) as server:
         yield server
 
 
-def watch(ks: KvServer, *, drop: Callable[[int, bool], bool] | None = None) -> KvEventsWatch:
+def watch(ks: KvServer, *, drop: Callable[[int, bool], bool] | None = None,
+          receive_hwm: int = 0) -> KvEventsWatch:
     """A sidecar-side watch on the engine, caught up with every batch published so far."""
-    w = KvEventsWatch(input_filter_for=(lambda _name: drop) if drop else None)
+    w = KvEventsWatch(input_filter_for=(lambda _name: drop) if drop else None,
+                      receive_hwm=receive_hwm)
     state = ks.state()
     assert state is not None and state.kv_events is not None
     w.update([state])
@@ -124,6 +129,39 @@ def test_late_subscriber_mirror_equals_vllms_pool_after_prefix_heavy_load_with_e
         assert mirror_keys(w, check.seq or 0) == truth
         assert sub.lost_batches_total == 0 and sub.received_total > 0 and not sub.gap_open
     finally:
+        w.close()
+
+
+def test_a_burst_past_the_publishers_hwm_is_dropped_by_zmq_and_replay_repairs_the_mirror(
+        ks: KvServer) -> None:
+    go, stalled = threading.Event(), threading.Event()
+
+    def stall_on_first_live_batch(_seq: int, replayed: bool) -> bool:
+        if not replayed and not stalled.is_set():
+            stalled.set()
+            go.wait(180)  # the subscriber's thread stops reading: its socket fills
+        return True
+
+    w = watch(ks, drop=stall_on_first_live_batch, receive_hwm=PUBLISHER_HWM)
+    try:
+        sub = w.engines[ENGINE].subscriber
+        first = batches_published(ks)
+        received, replayed = sub.received_total, sub.replayed_batches_total
+        burst = [p for family in range(20, 40) for p in prompts(family, 8)]
+        ks.run(burst, concurrency=8, max_tokens=40)
+        assert stalled.is_set()
+        go.set()
+        st, check = judged(ks, w)
+        published = st.kv_events.batches_published - first  # type: ignore[union-attr]
+        over_sub = sub.received_total - received
+        assert published > 4 * PUBLISHER_HWM and over_sub < published, (published, over_sub)
+        # every batch ZMQ dropped came back from vLLM's replay buffer, none counted twice
+        assert sub.replayed_batches_total - replayed >= published - over_sub
+        assert sub.lost_batches_total == 0 and not sub.gap_open and not sub.gaps
+        assert check.verdict is KvEventsVerdict.CONSISTENT, check.explanation
+        assert mirror_keys(w, check.seq or 0) == ks.truth_keys()
+    finally:
+        go.set()
         w.close()
 
 

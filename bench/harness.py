@@ -319,14 +319,6 @@ def verdicts(t: dict[str, Any]) -> dict[str, int]:
     return dict(v)
 
 
-def kept_true(t: dict[str, Any]) -> bool:
-    """Whether a what-if's rounds kept kvguard's records true and compared like with like:
-    every drained audit clean or saturated, no release of a block the ledger did not hold,
-    no hook failure, and the same work (steps, vLLM's counters) every way."""
-    return (set(verdicts(t)) <= {"clean", "saturated"} and not t["rounds_mismatched"]
-            and not t["double_frees"] and not t["hook_errors"])
-
-
 # -- pairing: two sides measured at the same moments -----------------------------------
 
 class Pairs:

@@ -9,7 +9,6 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import whatif
 from harness import (
     interval_verdict,
     median_interval,
@@ -258,6 +257,12 @@ METHOD = {
 }
 
 
+def what_if_summary() -> list[str]:
+    """The frozen what-if note's summary bullets (``bench/results/what_if.md``)."""
+    text = (RESULTS / "what_if.md").read_text().split("## Summary\n", 1)[1]
+    return [line for line in text.split("\n## ", 1)[0].splitlines() if line.startswith("- ")]
+
+
 def render() -> str:
     newest = max((day(load(p.stem)) for p in RESULTS.glob("*.json")), default="-")
     m = next((load(p.stem)["machine"] for p in sorted(RESULTS.glob("*.json"))
@@ -282,10 +287,10 @@ def render() -> str:
               "`bench/results/step_mix.json`). End to end that is the 1 % of target 7."]
     lines += ["", "## What-if studies", "",
               "Target 8's miss and target 7's method raised questions that one measurement "
-              "each answered; they are kept as results, not run by default "
+              "each answered; they are kept as results and a frozen note, not run by default "
               "(`bench/results/what_if.md`, each with the commit and command that measured "
               "it):", ""]
-    lines += [f"- {s}" for s in whatif.summaries()]
+    lines += what_if_summary()
     lines += ["", "## History", "",
               "Earlier runs and their notes are data in `bench/results/history.json` "
               "(date, kind, targets, figures, note), oldest first; `git log bench/results` "

@@ -92,7 +92,7 @@ def main() -> None:
     import bench_step_mix as mix
 
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
-    h, _ = mix._build_engine_on()
+    h = mix.build_engine()
     g = h.guard
     hooks = kvguard_hooks(h.scheduler)
 

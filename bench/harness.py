@@ -10,7 +10,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -81,6 +82,36 @@ class RoundBudget:
     def spent(self) -> float:
         """Wall time since the budget was made, in seconds."""
         return time.monotonic() - self.started
+
+
+def clocked(fn: Any, acc: list[int]) -> Any:
+    """``fn`` with the time of each call added to ``acc[0]`` (ns)."""
+    pc = time.perf_counter_ns
+
+    def run(*a: Any, **k: Any) -> Any:
+        t = pc()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[0] += pc() - t
+    return run
+
+
+def abba(budget: RoundBudget, modes: Sequence[str],
+         ask: Callable[[int, str], Any]) -> list[dict[str, Any]]:
+    """Rounds of every mode in turn while ``budget`` allows, the order reversed every other
+    round (AB BA, ABC CBA), so that a drift within a round falls on every side alike: each
+    round's ``ask(round, mode)`` answers by mode, rounds counted from 1."""
+    out: list[dict[str, Any]] = []
+    while budget.more(len(out)):
+        r = len(out) + 1
+        out.append({m: ask(r, m) for m in (modes if r % 2 else modes[::-1])})
+    return out
+
+
+def verdict_counts(guard: Any) -> dict[str, int]:
+    """What kvguard's drained audits on an engine said so far, by verdict."""
+    return dict(Counter(r.verdict.value for r in guard.reports))
 
 
 def kvguard_hooks(scheduler: Any) -> list[tuple[Any, str, Any]]:
@@ -184,7 +215,7 @@ class Worker:
                 return json.loads(line[len(MARK):])
         raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); see {self.log}")
 
-    def ask(self, line: str) -> object:
+    def ask(self, line: str) -> Any:
         assert self.proc.stdin is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()

@@ -1,21 +1,20 @@
 """Target 8: scheduler time per step with kvguard vs without, every step counted, a real mix.
 
-A round: 64 requests in 4 groups sharing a 64-token prefix (prefix hits), 96 output tokens
-each in a 160-block pool (preemption), 8 aborted at step 24, and a draft model proposing
-3 tokens per step (speculative decoding: lookahead slots every step). A step's time is its
-``schedule`` and ``update_from_output`` plus the ``add_request`` calls since the step
-before (kvguard's admission hook, and a drained audit the checkpoint pace owes, run there).
-Decoding is greedy so that every side takes the same steps: sampled runs diverge between
-processes even with kvguard off (70 vs 91 steps for one round), and on these dummy weights
-the target accepts every draft. Every side's steps and vLLM's counters are checked equal.
+Every step counted on a real mix (prefix hits, preemption, aborts, speculative decoding):
+one engine with kvguard's hooks put in and taken out each round (ABBA), so no process
+bias; pass-through wrappers on the same methods split the interception from kvguard's
+work; once more with the opt-in checkpoint pace.
 
-One engine with kvguard per worker process; each round runs with its hooks in, taken out
-(the engine's own methods back) and replaced by pass-through wrappers (the interception
-alone, no work), in turn (ABC, CBA), the prefix cache reset before each, so no process or
-engine bias enters. Reported: the mean of the per-round ratios with its 95 % interval, the
-interception's share, and, in the first process, kvguard's own time per hook and session
-method (a clock at every boundary). Then the same with the opt-in checkpoint pace. The
-what-if studies once run from here are results (``bench/results/what_if.md``).
+A round: 64 requests in 4 groups sharing a 64-token prefix, 96 output tokens each in a
+160-block pool, 8 aborted at step 24, a draft model proposing 3 tokens per step. A step's
+time is its ``schedule`` and ``update_from_output`` plus the ``add_request`` calls since
+the step before (kvguard's admission hook, and a drained audit the checkpoint pace owes,
+run there). Decoding is greedy so that every way takes the same steps (sampled runs
+diverge between processes even with kvguard off: 70 vs 91 steps for one round), checked
+with vLLM's counters. Each round runs the three ways in turn (ABC, CBA), the prefix cache
+reset before each; reported: the mean of the per-round ratios with its 95 % interval, and,
+in the first process, kvguard's own time per hook and session method (a clock at every
+boundary). The what-if studies once run from here are results (``bench/results/what_if.md``).
 """
 
 from __future__ import annotations
@@ -33,13 +32,13 @@ from harness import (
     RoundBudget,
     Worker,
     abba,
-    clocked,
     kvguard_hooks,
     reply,
     save,
     set_hooks,
     stats,
     t_interval,
+    time_steps,
     verdict_counts,
 )
 
@@ -71,23 +70,6 @@ def passthrough(orig: Any) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return orig(*args, **kwargs)
     return wrapper
-
-
-def timed(sched: Any, samples: list[int]) -> None:
-    """Append each step's time (ns) to ``samples``, the ``add_request`` calls since the step
-    before included."""
-    ns = [0]
-    sched.add_request = clocked(sched.add_request, ns)
-    sched.schedule = clocked(sched.schedule, ns)
-    update = clocked(sched.update_from_output, ns)
-
-    def update_timed(*a: Any, **k: Any) -> Any:
-        try:
-            return update(*a, **k)
-        finally:
-            samples.append(ns[0])
-            ns[0] = 0
-    sched.update_from_output = update_timed
 
 
 def prompt(group: int, r: int, n: int = 96) -> list[int]:
@@ -142,7 +124,7 @@ def toggle_worker(modes: tuple[str, ...]) -> None:
         if mode == "bare":
             for obj, name, _ in hooks:
                 setattr(obj, name, passthrough(getattr(type(obj), name).__get__(obj)))
-        timed(h.scheduler, samples)
+        time_steps(h.scheduler, samples, admission=True)
 
     for mode in modes:
         set_mode(mode)

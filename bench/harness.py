@@ -97,6 +97,27 @@ def clocked(fn: Any, acc: list[int]) -> Any:
     return run
 
 
+def time_steps(sched: Any, samples: list[int], *, admission: bool = False,
+               counts: Callable[[], bool] = lambda: True) -> None:
+    """Append each step's scheduler time (ns) to ``samples``: its ``schedule`` and
+    ``update_from_output`` calls, and with ``admission`` the ``add_request`` calls since the
+    step before; only steps for which ``counts()`` holds at their end."""
+    ns = [0]
+    if admission:
+        sched.add_request = clocked(sched.add_request, ns)
+    sched.schedule = clocked(sched.schedule, ns)
+    update = clocked(sched.update_from_output, ns)
+
+    def update_timed(*a: Any, **k: Any) -> Any:
+        try:
+            return update(*a, **k)
+        finally:
+            if counts():
+                samples.append(ns[0])
+            ns[0] = 0
+    sched.update_from_output = update_timed
+
+
 def abba(budget: RoundBudget, modes: Sequence[str],
          ask: Callable[[int, str], Any]) -> list[dict[str, Any]]:
     """Rounds of every mode in turn while ``budget`` allows, the order reversed every other
@@ -143,29 +164,18 @@ class KvTap(NamedTuple):
     """kvguard's wrapper of the publisher's ``publish`` (its one per-step cost)."""
 
 
-def kv_tap(scheduler: Any, clock: list[float]) -> KvTap | None:
+def kv_tap(scheduler: Any, clock: list[int]) -> KvTap | None:
     """kvguard's KV-event tap on an engine (None: it publishes no KV events), its two
     engine-thread parts (the publish wrapper, the drained-checkpoint snapshot) timed into
-    ``clock[0]`` (seconds; a ``perf_counter`` pair per call, about 0.1 us)."""
+    ``clock[0]`` (ns)."""
     from kvguard.vllm_plugin.guard import guard_of
 
     g = guard_of(scheduler)
     if g is None or g.kv_events is None:
         return None
     pub, tap = scheduler.kv_event_publisher, g.kv_events
-    pc = time.perf_counter
-
-    def timed(f: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t = pc()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                clock[0] += pc() - t
-        return call
-
-    tap.snapshot = timed(tap.snapshot)
-    return KvTap(g, tap, pub, timed(pub.__dict__["publish"]))
+    tap.snapshot = clocked(tap.snapshot, clock)
+    return KvTap(g, tap, pub, clocked(pub.__dict__["publish"], clock))
 
 
 def set_kv_tap(t: KvTap, on: bool) -> None:
@@ -330,24 +340,11 @@ def median_verdict(xs: list[float], target: float) -> str:
     return f"**not resolved** (the median's 95 % interval {lo:.3f}-{hi:.3f})"
 
 
-def against(mean: float, half: float, target: float) -> str | None:
-    """Where a mean with its 95 % half-width lies against an upper target: "within" (the
-    interval's upper end is), "beyond" (its lower end is past it), or None (not resolved)."""
-    return "within" if mean + half <= target else "beyond" if mean - half > target else None
-
-
 def interval_verdict(mean: float, half: float, target: float) -> str:
-    """The verdict of a target judged by its interval: pass, miss, or not resolved."""
-    side = against(mean, half, target)
-    return ("**pass**" if side == "within" else "**miss**" if side == "beyond"
+    """The verdict of an upper target judged by a mean's 95 % interval: pass where its upper
+    end is within the target, miss where its lower end is past it, else not resolved."""
+    return ("**pass**" if mean + half <= target else "**miss**" if mean - half > target
             else f"**not resolved** (interval +-{100 * half:.1f} %)")
-
-
-def verdicts(t: dict[str, Any]) -> dict[str, int]:
-    """What kvguard's drained audits said in a toggle measurement (older results: only
-    the self-time process's)."""
-    v = t.get("verdicts") or t.get("self_time", {}).get("verdicts", {})
-    return dict(v)
 
 
 # -- pairing: two sides measured at the same moments -----------------------------------

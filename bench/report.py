@@ -17,7 +17,6 @@ from harness import (
     no_change_verdict,
     ok,
     throughput_verdict,
-    verdicts,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -171,19 +170,17 @@ def table() -> list[tuple[str, str]]:
 
 def _throughput_rows() -> list[tuple[str, str]]:
     out = []
-    for name in ("throughput",):
-        d = load(name)
-        for row in d.get("rows", []):
-            if "null" in row:
-                out.append((throughput_control_row(row, d["target_ci95_half_width"]), day(d)))
-                continue
-            what = {"interleaved-sync": "sync scheduling", "server": "OpenAI server",
-                    "interleaved-async": "async scheduling"}.get(row["mode"], row["mode"])
-            verdict = throughput_verdict(row, d["target_mean_ratio"],
-                                         d["target_ci95_half_width"])
-            out.append((f"| 7 end-to-end throughput, {what}: >= 0.99x | "
-                        f"**{row['mean_ratio']:.3f}x** +- {row['ci95_half_width']:.3f} | "
-                        f"{short(verdict)} |", day(d)))
+    d = load("throughput")
+    for row in d.get("rows", []):
+        if "null" in row:
+            out.append((throughput_control_row(row, d["target_ci95_half_width"]), day(d)))
+            continue
+        what = {"interleaved-sync": "sync scheduling", "server": "OpenAI server",
+                "interleaved-async": "async scheduling"}.get(row["mode"], row["mode"])
+        verdict = throughput_verdict(row, d["target_mean_ratio"], d["target_ci95_half_width"])
+        out.append((f"| 7 end-to-end throughput, {what}: >= 0.99x | "
+                    f"**{row['mean_ratio']:.3f}x** +- {row['ci95_half_width']:.3f} | "
+                    f"{short(verdict)} |", day(d)))
     return out
 
 
@@ -193,7 +190,7 @@ def _step_mix_rows() -> list[tuple[str, str]]:
     t = d.get("toggle")
     if t:
         verdict = interval_verdict(t["mean_ratio"], t["interval_half"], 1.02)
-        if verdicts(t).get("leak") or t["rounds_mismatched"]:
+        if t["verdicts"].get("leak") or t["rounds_mismatched"]:
             verdict = "**not valid**"
         out.append((f"| 8 scheduler time per step, every step, one engine: <= 1.02x | "
                     f"**{t['mean_ratio']:.3f}x** +- {t['interval_half']:.3f} | "

@@ -49,13 +49,10 @@ def save(name: str, payload: dict[str, object]) -> None:
 
 
 class RoundBudget:
-    """How many rounds a benchmark that counts rounds runs: at least ``min_rounds``, at
-    most ``max_rounds``, and past the minimum only while less than ``seconds`` of wall
-    time went by since it was made (``seconds`` from the environment variable ``env``
-    when set). The run then takes about the same time on a VM running at half speed as
-    on a fast one: fewer rounds and a wider interval, both reported, instead of a run of
-    twice the length (``./scripts/bench`` has 20 minutes). ``step`` keeps the count a
-    multiple of what the round order needs (2 for ABBA, 3 for a rotation of three)."""
+    """At least ``min_rounds``, at most ``max_rounds``, and past the minimum only while less
+    than ``seconds`` (or the environment variable ``env``) of wall time went by: a slow
+    hour gives fewer rounds and a wider interval, not a longer run (``./scripts/bench`` has
+    20 minutes). ``step``: the count stays a multiple of what the round order needs."""
 
     def __init__(self, env: str, seconds: float, *, min_rounds: int, max_rounds: int,
                  step: int = 1) -> None:
@@ -198,12 +195,9 @@ def reply(payload: object) -> None:
 
 
 class Worker:
-    """A benchmark side in its own process: ``python SCRIPT worker ARGS...``, kept alive.
-
-    The worker sends ``reply("ready")`` once built and warm, then answers each line
-    :meth:`ask` writes to its stdin with one :func:`reply`. Its stderr (vLLM's logs) goes
-    to ``log``.
-    """
+    """A benchmark side in its own process, ``python SCRIPT worker ARGS...``: it sends
+    ``reply("ready")`` once warm, then one :func:`reply` per line :meth:`ask` writes to its
+    stdin. Its stderr (vLLM's logs) goes to ``log``."""
 
     def __init__(self, script: str, args: Sequence[str], env: dict[str, str],
                  log: Path, python: str = sys.executable) -> None:
@@ -400,10 +394,8 @@ class Pairs:
 def across_processes(mode: str, per_process: list[dict[str, Any]],
                      tokens: int) -> dict[str, Any]:
     """An ``interleaved-*`` mode's row from its processes' rows: the mean of the process
-    means, with the 95 % interval over them (Student's t, one sample per process). A
-    process carries a bias of its own (where its code and data landed in memory), which
-    its pairs cannot show: one process's interval is narrower than the spread between
-    processes. The pairs, times and shares are pooled."""
+    means with the 95 % interval over them, since a process carries a bias of its own
+    (where its code and data landed) that its pairs cannot show. Pairs and times pooled."""
     means = [r["mean_ratio"] for r in per_process]
     mean, half = t_interval(means)
     pooled: dict[str, Any] = {"mode": mode, "mean_ratio": mean, "ci95_half_width": half,

@@ -193,3 +193,14 @@ def test_target_10_is_no_change_only_with_a_narrow_interval_holding_one(
         mean: float, half: float, expected: str) -> None:
     row = {"mean_ratio": mean, "ci95_half_width": half}
     assert harness.no_change_verdict(row, report.TARGET_HALF_KV) == expected
+
+
+def test_abba_reverses_the_order_every_other_round() -> None:
+    # Every side first as often: a drift within a round falls on all alike.
+    budget = harness.RoundBudget("KVGUARD_BENCH_TEST_UNSET", 0.0, min_rounds=4,
+                                 max_rounds=4, step=2)
+    seen: list[tuple[int, str]] = []
+    rounds = harness.abba(budget, ("a", "b", "c"), lambda r, m: seen.append((r, m)) or m)
+    assert [m for _, m in seen] == list("abccbaabccba")
+    assert [r for r, _ in seen] == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    assert rounds == [{"a": "a", "b": "b", "c": "c"}] * 4

@@ -1,13 +1,13 @@
 """Target 2: a full audit of the real vLLM BlockPool vs the bare loop over every ref_cnt.
 
-The pool is vLLM's own ``BlockPool``, built through ``KVCacheManager`` from a
-``KVCacheConfig`` (no model), as vLLM's tests do. Two mixes per size:
-``drained`` (what a drained checkpoint sees: 55% cached, 45% free, a few leaked
-blocks) and ``busy`` (40% active blocks owned by live requests in the ledger,
-35% cached, 25% free). Audit = ``read_pool`` + ``reconcile``. Then one online
-sweep of the busy mix (claim phase over every request's table, then every
-slice), done in one go and timed: its work per sweep sets the online audit's
-sweep length for a given budget and scheduler time per step.
+vLLM's own ``BlockPool`` (no model) in a drained mix (cached and free blocks) and a busy
+one (40 % owned by live requests); a full audit is timed against the bare loop over every
+``ref_cnt``. Rows 9 time one online-audit sweep, from which the sweep length at the 0.5 %
+budget follows.
+
+The pool is built through ``KVCacheManager`` from a ``KVCacheConfig``, as vLLM's tests do.
+Drained: 55 % cached, 45 % free, a few leaked blocks; busy: 40 % active, 35 % cached, 25 %
+free. Audit = ``read_pool`` + ``reconcile``.
 """
 
 from __future__ import annotations

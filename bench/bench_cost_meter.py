@@ -1,29 +1,13 @@
 """kvguard's live cost meter (``kvguard_cost_*``) against the step-mix benchmark's clocks.
 
-What an operator reads in Prometheus must agree with what the benchmarks measure. One
-engine runs the step mix of ``bench_step_mix.py`` (prefix hits, preemption, aborts,
-speculative decoding), rounds alternating between two ways of measuring kvguard's own
-time per step:
+The step mix again, reading kvguard's own live meter (``kvguard_cost_*``): what an
+operator sees must fall inside target 8's interval.
 
-- the live meter with every step metered (``KVGUARD_COST_SAMPLE_EVERY_STEPS=1``): its
-  self time and scheduler time per step, as the state file and the sidecar publish them;
-- the benchmark's clocks (``bench_step_mix.self_time``, meter off): a clock at every
-  boundary between kvguard and the engine, a separate implementation.
-
-Then, in a worker process per scheduling mode, target 7's workload (``bench_throughput``:
-128 requests through ``LLM.generate``) with every step metered: kvguard's own time as a
-share of the repetitions' wall time, the direct part of the end-to-end cost, to set
-beside the whole cost that target 7's interleaved throughput runs measure.
-
-Reported: both per-step self times, the scheduler ratio each implies (scheduler time over
-scheduler time without kvguard's part: target 8's ratio), and their relative difference.
-``BENCHMARKS.md`` judges the meter against the measurement with no clock in kvguard's
-hooks at all: the step mix's toggle (kvguard's hooks in and out of one engine, its 95 %
-interval), which ``./scripts/bench`` runs just before. The meter's own cost at its
-default (one window of 8 steps per 512) is far below this VM's noise end to end;
-``BENCHMARKS.md`` bounds it from the hook calls per step counted here: 4 clock reads per
-hook call in the metered steps, at most 0.3 us each (the clocks' cost, cold, per
-``bench_step_mix.self_time``).
+Rounds alternate (AB BA) between the meter with every step metered and the benchmark's
+own clocks at every hook boundary (``bench_step_mix.self_time``, meter off); reported: both
+per-step self times and the scheduler ratio each implies. Then, per scheduling mode,
+target 7's workload through ``LLM.generate`` with every step metered: kvguard's own time
+as a share of wall time, the direct part of the end-to-end cost.
 """
 
 from __future__ import annotations
@@ -34,10 +18,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from harness import MARK, RoundBudget, kvguard_hooks, reply, save
+from harness import MARK, RoundBudget, abba, kvguard_hooks, reply, save
 
 ROUNDS_MIN, ROUNDS_MAX = 4, 12
 SECONDS = 60.0
@@ -49,16 +34,17 @@ DIRECT_REPETITIONS = 4
 
 
 def direct_worker(scheduling: str) -> None:
-    """Target 7's workload (``bench_throughput``: 128 requests, ``LLM.generate``) with every
-    step metered: kvguard's own time against the repetitions' wall time, the direct part
-    of the end-to-end cost (target 7's interleaved runs measure the whole of it)."""
+    """Target 7's workload with every step metered: kvguard's own time against the
+    repetitions' wall time."""
     import bench_throughput as tput
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from kvguard.testing.engine import scheduler_of
     from kvguard.testing.tiny_model import make_tiny_model
     from kvguard.vllm_plugin.guard import guard_of
 
-    llm = tput._warm_llm(scheduling, str(make_tiny_model(Path(tempfile.mkdtemp()))))
+    llm = tput.warm_llm(scheduling, str(make_tiny_model(Path(tempfile.mkdtemp()))))
     g = guard_of(scheduler_of(llm.llm_engine))
     assert g is not None, "kvguard is not attached to the engine"
     m = g.meter
@@ -66,7 +52,11 @@ def direct_worker(scheduling: str) -> None:
     wall = 0.0
     for seed in range(1, DIRECT_REPETITIONS + 1):
         llm.reset_prefix_cache()
-        wall += tput._repetition(llm, seed)["seconds"]
+        batch = [TokensPrompt(prompt_token_ids=p) for p in tput.prompts(seed)]
+        params = SamplingParams(max_tokens=tput.OUTPUT_TOKENS, ignore_eos=True, temperature=0.0)
+        t0 = time.perf_counter()
+        llm.generate(batch, params, use_tqdm=False)
+        wall += time.perf_counter() - t0
     reply({"scheduling": scheduling, "steps": m.steps_total - n0, "wall_s": wall,
            "self_s": (m.self_ns_total - s0) / 1e9,
            "scheduler_s": (m.scheduler_ns_total - c0) / 1e9, "hook_errors": g.errors.total})
@@ -92,40 +82,38 @@ def main() -> None:
     import bench_step_mix as mix
 
     os.environ.setdefault("VLLM_PLUGINS", "kvguard")
-    h, _ = mix._build_engine_on()
+    h = mix.build_engine()
     g = h.guard
     hooks = kvguard_hooks(h.scheduler)
 
     def meter(every: int) -> None:
         g.config = dataclasses.replace(g.config, cost_sample_every_steps=every)
 
+    def metered(r: int) -> dict[str, float]:
+        meter(1)
+        m = g.meter
+        s0, c0, n0 = m.self_ns_total, m.scheduler_ns_total, m.steps_total
+        mix.run_round(h, 100 + r)
+        meter(0)
+        n = m.steps_total - n0
+        return {"steps": n, "self_us": (m.self_ns_total - s0) / 1e3 / n,
+                "scheduler_us": (m.scheduler_ns_total - c0) / 1e3 / n}
+
+    def clocked(r: int) -> dict[str, float]:
+        st = mix.self_time(h, hooks, 1)
+        return {"steps": st["steps"], "self_us": st["kvguard_us_per_step"],
+                "engine_us": st["engine_us_per_step"],
+                "hook_calls": sum(v["calls_per_step"] for k, v in st["rows"].items()
+                                  if k.startswith("hook "))}
+
     mix.run_round(h, 0)  # warm
-    meter_rows: list[dict[str, float]] = []
-    clock_rows: list[dict[str, float]] = []
     budget = RoundBudget("KVGUARD_BENCH_METER_SECONDS", SECONDS, min_rounds=ROUNDS_MIN,
                          max_rounds=ROUNDS_MAX, step=2)
-    r = 0
-    while budget.more(r):
-        r += 1
-        # Alternate the order, so that neither way always runs on the warmer engine.
-        for way in (("meter", "clocks") if r % 2 else ("clocks", "meter")):
-            if way == "meter":
-                meter(1)
-                m = g.meter
-                s0, c0, n0 = m.self_ns_total, m.scheduler_ns_total, m.steps_total
-                mix.run_round(h, 100 + r)
-                n = m.steps_total - n0
-                meter_rows.append({"steps": n,
-                                   "self_us": (m.self_ns_total - s0) / 1e3 / n,
-                                   "scheduler_us": (m.scheduler_ns_total - c0) / 1e3 / n})
-                meter(0)
-            else:
-                st = mix.self_time(h, hooks, 1)
-                clock_rows.append({"steps": st["steps"], "self_us": st["kvguard_us_per_step"],
-                                   "engine_us": st["engine_us_per_step"],
-                                   "hook_calls": sum(v["calls_per_step"]
-                                                     for k, v in st["rows"].items()
-                                                     if k.startswith("hook "))})
+    ways = {"meter": metered, "clocks": clocked}
+    rounds = abba(budget, tuple(ways), lambda r, way: ways[way](r))
+    r = len(rounds)
+    meter_rows = [x["meter"] for x in rounds]
+    clock_rows = [x["clocks"] for x in rounds]
 
     def pooled(rows: list[dict[str, float]], key: str) -> float:
         return sum(x[key] * x["steps"] for x in rows) / sum(x["steps"] for x in rows)

@@ -1,14 +1,13 @@
 """Target 1: the real scheduler's time per step with kvguard vs without, alternating.
 
-Three real in-process engines side by side: kvguard with its online audit (the
-default), kvguard with ``KVGUARD_ONLINE_AUDIT=0`` (hooks and drained
-checkpoints only), and one built with ``KVGUARD_ENABLED=0``. Each round runs 64
-concurrent requests to completion on each engine in turn (the order rotating
-per round: each engine runs alone with warm caches, as in a server); per step,
-the time spent in ``Scheduler.schedule`` + ``Scheduler.update_from_output`` is
-measured (the same timing wrapper on all,
-outside kvguard's hooks, so kvguard's cost is inside). Only steps with all 64
-requests running count.
+Three real in-process engines (kvguard with its online audit, kvguard without it, and
+none) run 64 concurrent requests each in turn, round after round; the scheduler's time per
+step is compared within each round, and the median of the per-round ratios is judged by
+its distribution-free 95 % interval.
+
+A step's time is ``Scheduler.schedule`` + ``update_from_output``, the same wrapper on all
+three engines outside kvguard's hooks; only steps with all 64 requests running count, and
+the order rotates per round (each engine runs alone with warm caches, as in a server).
 """
 
 from __future__ import annotations
@@ -16,11 +15,10 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from harness import RoundBudget, save, stats
+from harness import RoundBudget, save, stats, time_steps
 
 CONCURRENCY = 64
 ROUNDS = int(os.environ.get("KVGUARD_BENCH_ROUNDS", "40"))
@@ -30,28 +28,6 @@ ROUNDS_SECONDS = 120.0
 """Wall-time budget of the timed rounds (``KVGUARD_BENCH_HOOK_SECONDS``): 40 rounds take
 about 100 s on this VM at its fast hours and 250 s at its slow ones."""
 MAX_TOKENS = 96
-
-
-def timed(sched: Any, samples: list[int]) -> None:
-    schedule, update = sched.schedule, sched.update_from_output
-    acc = [0]
-
-    def schedule_timed(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter_ns()
-        try:
-            return schedule(*a, **k)
-        finally:
-            acc[0] = time.perf_counter_ns() - t
-
-    def update_timed(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter_ns()
-        try:
-            return update(*a, **k)
-        finally:
-            if len(sched.running) == CONCURRENCY:
-                samples.append(acc[0] + time.perf_counter_ns() - t)
-
-    sched.schedule, sched.update_from_output = schedule_timed, update_timed
 
 
 def run_round(h: Any, seed: int) -> None:
@@ -96,9 +72,10 @@ if __name__ == "__main__":
     samples_on: list[int] = []
     samples_hooks: list[int] = []
     samples_off: list[int] = []
-    timed(on.scheduler, samples_on)
-    timed(hooks_only.scheduler, samples_hooks)
-    timed(scheduler_of(off_engine), samples_off)
+    for sched, samples in ((on.scheduler, samples_on), (hooks_only.scheduler, samples_hooks),
+                           (scheduler_of(off_engine), samples_off)):
+        # only steps with all 64 requests running
+        time_steps(sched, samples, counts=lambda s=sched: len(s.running) == CONCURRENCY)
     engines = [(on, samples_on), (hooks_only, samples_hooks), (off, samples_off)]
     for h, _ in engines:  # warm-up
         run_round(h, 0)

@@ -1,17 +1,13 @@
 """Target 10: what kvguard's side of the KV-event mirror check costs the engine, end to end.
 
-An engine that publishes KV events (``--kv-events-config``, what KV-aware routers consume)
-gets kvguard's KV-event tap: a wrapper on its publisher's ``publish`` (one counter increment
-per step with events) and, at each drained checkpoint, one pass over the pool's cached
-blocks. This is ``bench_throughput.py``'s ``interleaved-kv-events-sync`` mode: two engines
-in one process, both publishing KV events (ZMQ on ``ipc://``, no subscriber: PUB drops
-unread messages) with kvguard's hooks in on both, stepped in turn; the treatment is the
-tap alone, in on one engine and out on the other, roles swapped each pair, in
-``KVGUARD_BENCH_THROUGHPUT_PROCESSES`` worker processes. Result:
-``bench/results/throughput_kv_events.json``. Target: no measurable change, i.e. a 95 %
-interval at most +-0.5 % wide that holds 1.00x. Beside it, the tap's own time on the engine
-thread (its two parts timed with ``perf_counter``, whose own cost is counted in, and in the
-treated engine's time too) over the treated engine's time, per process.
+The throughput benchmark's pairing on two engines that both publish KV events with
+kvguard's hooks in: the treatment is kvguard's KV-event tap alone (its publish wrapper and
+its drained-checkpoint read of the cached blocks), in 3 processes.
+
+This is ``bench_throughput.py``'s ``interleaved-kv-events-sync`` mode (ZMQ on ``ipc://``,
+no subscriber: PUB drops unread messages), into ``bench/results/throughput_kv_events.json``.
+Target: no measurable change, a 95 % interval at most +-0.5 % wide that holds 1.00x.
+Beside it, the tap's own engine-thread time (its two parts clocked) over its engine's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Target 4: in-engine bytes per live (request, block) ownership, and flatness over a run.
 
-Part 1 (tracemalloc): the ledger holding 2,000 live requests x 16 blocks, fed
-through the same calls the hooks make (unattributed allocation, then claim from
-the engine's table). Part 2: 50,000 requests admitted, allocated, finished and
-freed with 64 live at a time: the ledger's size after warm-up and at the end.
+tracemalloc over the ledger holding 2,000 requests x 16 blocks fed through the hooks'
+calls; then 50,000 requests with 64 live at a time, checking that the ledger's size stays
+flat.
 """
 
 from __future__ import annotations

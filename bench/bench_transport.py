@@ -1,10 +1,10 @@
 """Target 5: the engine side of the transport never waits on the reader.
 
-Measures ``StatePublisher.offer`` (what the engine thread calls) with a real
-writer thread and disk, and with a writer made slow (50 ms per write, like a
-stalled volume): offers per second, latency per offer, states written, and
-states dropped (superseded before they were written; each state is complete,
-so a dropped one loses nothing but intermediate values).
+``StatePublisher.offer`` (what the engine thread calls) with a real writer thread and
+disk, then with each write slowed to 50 ms: the engine must never wait.
+
+Reported: offers per second, latency per offer, states written and dropped (superseded
+before they were written; each state is complete, so a dropped one loses nothing).
 """
 
 from __future__ import annotations

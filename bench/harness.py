@@ -10,7 +10,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -48,13 +49,10 @@ def save(name: str, payload: dict[str, object]) -> None:
 
 
 class RoundBudget:
-    """How many rounds a benchmark that counts rounds runs: at least ``min_rounds``, at
-    most ``max_rounds``, and past the minimum only while less than ``seconds`` of wall
-    time went by since it was made (``seconds`` from the environment variable ``env``
-    when set). The run then takes about the same time on a VM running at half speed as
-    on a fast one: fewer rounds and a wider interval, both reported, instead of a run of
-    twice the length (``./scripts/bench`` has 20 minutes). ``step`` keeps the count a
-    multiple of what the round order needs (2 for ABBA, 3 for a rotation of three)."""
+    """At least ``min_rounds``, at most ``max_rounds``, and past the minimum only while less
+    than ``seconds`` (or the environment variable ``env``) of wall time went by: a slow
+    hour gives fewer rounds and a wider interval, not a longer run (``./scripts/bench`` has
+    20 minutes). ``step``: the count stays a multiple of what the round order needs."""
 
     def __init__(self, env: str, seconds: float, *, min_rounds: int, max_rounds: int,
                  step: int = 1) -> None:
@@ -81,6 +79,57 @@ class RoundBudget:
     def spent(self) -> float:
         """Wall time since the budget was made, in seconds."""
         return time.monotonic() - self.started
+
+
+def clocked(fn: Any, acc: list[int]) -> Any:
+    """``fn`` with the time of each call added to ``acc[0]`` (ns)."""
+    pc = time.perf_counter_ns
+
+    def run(*a: Any, **k: Any) -> Any:
+        t = pc()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[0] += pc() - t
+    return run
+
+
+def time_steps(sched: Any, samples: list[int], *, admission: bool = False,
+               counts: Callable[[], bool] = lambda: True) -> None:
+    """Append each step's scheduler time (ns) to ``samples``: its ``schedule`` and
+    ``update_from_output`` calls, and with ``admission`` the ``add_request`` calls since the
+    step before; only steps for which ``counts()`` holds at their end."""
+    ns = [0]
+    if admission:
+        sched.add_request = clocked(sched.add_request, ns)
+    sched.schedule = clocked(sched.schedule, ns)
+    update = clocked(sched.update_from_output, ns)
+
+    def update_timed(*a: Any, **k: Any) -> Any:
+        try:
+            return update(*a, **k)
+        finally:
+            if counts():
+                samples.append(ns[0])
+            ns[0] = 0
+    sched.update_from_output = update_timed
+
+
+def abba(budget: RoundBudget, modes: Sequence[str],
+         ask: Callable[[int, str], Any]) -> list[dict[str, Any]]:
+    """Rounds of every mode in turn while ``budget`` allows, the order reversed every other
+    round (AB BA, ABC CBA), so that a drift within a round falls on every side alike: each
+    round's ``ask(round, mode)`` answers by mode, rounds counted from 1."""
+    out: list[dict[str, Any]] = []
+    while budget.more(len(out)):
+        r = len(out) + 1
+        out.append({m: ask(r, m) for m in (modes if r % 2 else modes[::-1])})
+    return out
+
+
+def verdict_counts(guard: Any) -> dict[str, int]:
+    """What kvguard's drained audits on an engine said so far, by verdict."""
+    return dict(Counter(r.verdict.value for r in guard.reports))
 
 
 def kvguard_hooks(scheduler: Any) -> list[tuple[Any, str, Any]]:
@@ -112,29 +161,18 @@ class KvTap(NamedTuple):
     """kvguard's wrapper of the publisher's ``publish`` (its one per-step cost)."""
 
 
-def kv_tap(scheduler: Any, clock: list[float]) -> KvTap | None:
+def kv_tap(scheduler: Any, clock: list[int]) -> KvTap | None:
     """kvguard's KV-event tap on an engine (None: it publishes no KV events), its two
     engine-thread parts (the publish wrapper, the drained-checkpoint snapshot) timed into
-    ``clock[0]`` (seconds; a ``perf_counter`` pair per call, about 0.1 us)."""
+    ``clock[0]`` (ns)."""
     from kvguard.vllm_plugin.guard import guard_of
 
     g = guard_of(scheduler)
     if g is None or g.kv_events is None:
         return None
     pub, tap = scheduler.kv_event_publisher, g.kv_events
-    pc = time.perf_counter
-
-    def timed(f: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t = pc()
-            try:
-                return f(*args, **kwargs)
-            finally:
-                clock[0] += pc() - t
-        return call
-
-    tap.snapshot = timed(tap.snapshot)
-    return KvTap(g, tap, pub, timed(pub.__dict__["publish"]))
+    tap.snapshot = clocked(tap.snapshot, clock)
+    return KvTap(g, tap, pub, clocked(pub.__dict__["publish"], clock))
 
 
 def set_kv_tap(t: KvTap, on: bool) -> None:
@@ -157,12 +195,9 @@ def reply(payload: object) -> None:
 
 
 class Worker:
-    """A benchmark side in its own process: ``python SCRIPT worker ARGS...``, kept alive.
-
-    The worker sends ``reply("ready")`` once built and warm, then answers each line
-    :meth:`ask` writes to its stdin with one :func:`reply`. Its stderr (vLLM's logs) goes
-    to ``log``.
-    """
+    """A benchmark side in its own process, ``python SCRIPT worker ARGS...``: it sends
+    ``reply("ready")`` once warm, then one :func:`reply` per line :meth:`ask` writes to its
+    stdin. Its stderr (vLLM's logs) goes to ``log``."""
 
     def __init__(self, script: str, args: Sequence[str], env: dict[str, str],
                  log: Path, python: str = sys.executable) -> None:
@@ -184,7 +219,7 @@ class Worker:
                 return json.loads(line[len(MARK):])
         raise RuntimeError(f"benchmark worker exited ({self.proc.wait()}); see {self.log}")
 
-    def ask(self, line: str) -> object:
+    def ask(self, line: str) -> Any:
         assert self.proc.stdin is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
@@ -299,32 +334,11 @@ def median_verdict(xs: list[float], target: float) -> str:
     return f"**not resolved** (the median's 95 % interval {lo:.3f}-{hi:.3f})"
 
 
-def against(mean: float, half: float, target: float) -> str | None:
-    """Where a mean with its 95 % half-width lies against an upper target: "within" (the
-    interval's upper end is), "beyond" (its lower end is past it), or None (not resolved)."""
-    return "within" if mean + half <= target else "beyond" if mean - half > target else None
-
-
 def interval_verdict(mean: float, half: float, target: float) -> str:
-    """The verdict of a target judged by its interval: pass, miss, or not resolved."""
-    side = against(mean, half, target)
-    return ("**pass**" if side == "within" else "**miss**" if side == "beyond"
+    """The verdict of an upper target judged by a mean's 95 % interval: pass where its upper
+    end is within the target, miss where its lower end is past it, else not resolved."""
+    return ("**pass**" if mean + half <= target else "**miss**" if mean - half > target
             else f"**not resolved** (interval +-{100 * half:.1f} %)")
-
-
-def verdicts(t: dict[str, Any]) -> dict[str, int]:
-    """What kvguard's drained audits said in a toggle measurement (older results: only
-    the self-time process's)."""
-    v = t.get("verdicts") or t.get("self_time", {}).get("verdicts", {})
-    return dict(v)
-
-
-def kept_true(t: dict[str, Any]) -> bool:
-    """Whether a what-if's rounds kept kvguard's records true and compared like with like:
-    every drained audit clean or saturated, no release of a block the ledger did not hold,
-    no hook failure, and the same work (steps, vLLM's counters) every way."""
-    return (set(verdicts(t)) <= {"clean", "saturated"} and not t["rounds_mismatched"]
-            and not t["double_frees"] and not t["hook_errors"])
 
 
 # -- pairing: two sides measured at the same moments -----------------------------------
@@ -380,10 +394,8 @@ class Pairs:
 def across_processes(mode: str, per_process: list[dict[str, Any]],
                      tokens: int) -> dict[str, Any]:
     """An ``interleaved-*`` mode's row from its processes' rows: the mean of the process
-    means, with the 95 % interval over them (Student's t, one sample per process). A
-    process carries a bias of its own (where its code and data landed in memory), which
-    its pairs cannot show: one process's interval is narrower than the spread between
-    processes. The pairs, times and shares are pooled."""
+    means with the 95 % interval over them, since a process carries a bias of its own
+    (where its code and data landed) that its pairs cannot show. Pairs and times pooled."""
     means = [r["mean_ratio"] for r in per_process]
     mean, half = t_interval(means)
     pooled: dict[str, Any] = {"mode": mode, "mean_ratio": mean, "ci95_half_width": half,

@@ -4,12 +4,12 @@ interval, verdict, date), each benchmark's method below it. Every verdict is com
 
 from __future__ import annotations
 
+import ast
 import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-import whatif
 from harness import (
     interval_verdict,
     median_interval,
@@ -18,7 +18,6 @@ from harness import (
     no_change_verdict,
     ok,
     throughput_verdict,
-    verdicts,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -172,19 +171,17 @@ def table() -> list[tuple[str, str]]:
 
 def _throughput_rows() -> list[tuple[str, str]]:
     out = []
-    for name in ("throughput",):
-        d = load(name)
-        for row in d.get("rows", []):
-            if "null" in row:
-                out.append((throughput_control_row(row, d["target_ci95_half_width"]), day(d)))
-                continue
-            what = {"interleaved-sync": "sync scheduling", "server": "OpenAI server",
-                    "interleaved-async": "async scheduling"}.get(row["mode"], row["mode"])
-            verdict = throughput_verdict(row, d["target_mean_ratio"],
-                                         d["target_ci95_half_width"])
-            out.append((f"| 7 end-to-end throughput, {what}: >= 0.99x | "
-                        f"**{row['mean_ratio']:.3f}x** +- {row['ci95_half_width']:.3f} | "
-                        f"{short(verdict)} |", day(d)))
+    d = load("throughput")
+    for row in d.get("rows", []):
+        if "null" in row:
+            out.append((throughput_control_row(row, d["target_ci95_half_width"]), day(d)))
+            continue
+        what = {"interleaved-sync": "sync scheduling", "server": "OpenAI server",
+                "interleaved-async": "async scheduling"}.get(row["mode"], row["mode"])
+        verdict = throughput_verdict(row, d["target_mean_ratio"], d["target_ci95_half_width"])
+        out.append((f"| 7 end-to-end throughput, {what}: >= 0.99x | "
+                    f"**{row['mean_ratio']:.3f}x** +- {row['ci95_half_width']:.3f} | "
+                    f"{short(verdict)} |", day(d)))
     return out
 
 
@@ -194,7 +191,7 @@ def _step_mix_rows() -> list[tuple[str, str]]:
     t = d.get("toggle")
     if t:
         verdict = interval_verdict(t["mean_ratio"], t["interval_half"], 1.02)
-        if verdicts(t).get("leak") or t["rounds_mismatched"]:
+        if t["verdicts"].get("leak") or t["rounds_mismatched"]:
             verdict = "**not valid**"
         out.append((f"| 8 scheduler time per step, every step, one engine: <= 1.02x | "
                     f"**{t['mean_ratio']:.3f}x** +- {t['interval_half']:.3f} | "
@@ -214,48 +211,23 @@ def _step_mix_rows() -> list[tuple[str, str]]:
     return out
 
 
-METHOD = {
-    "bench_hook_overhead.py": "Three real in-process engines (kvguard with its online audit, "
-    "kvguard without it, and none) run 64 concurrent requests each in turn, round after "
-    "round; the scheduler's time per step is compared within each round, and the median "
-    "of the per-round ratios is judged by its distribution-free 95 % interval.",
-    "bench_audit.py": "vLLM's own `BlockPool` (no model) in a drained mix (cached and free "
-    "blocks) and a busy one (40 % owned by live requests); a full audit is timed against "
-    "the bare loop over every `ref_cnt`. Rows 9 time one online-audit sweep, from which "
-    "the sweep length at the 0.5 % budget follows.",
-    "bench_scrape.py": "The real `kvguard sidecar` reads 8 engine state files (125 live "
-    "requests each, 64 reports of history); the client times 300 scrapes, then again "
-    "after the counters say 10 million requests were served. The sidecar writes the text "
-    "format itself (`kvguard/sidecar/exposition.py`: byte for byte prometheus_client's, "
-    "pinned by `tests/sidecar/test_exposition.py`), 0.8 ms where the library's "
-    "`generate_latest` takes 2.6-5.7 ms on these 441 samples.",
-    "bench_memory.py": "tracemalloc over the ledger holding 2,000 requests x 16 blocks fed "
-    "through the hooks' calls; then 50,000 requests with 64 live at a time, checking that "
-    "the ledger's size stays flat.",
-    "bench_transport.py": "`StatePublisher.offer` (what the engine thread calls) with a real "
-    "writer thread and disk, then with each write slowed to 50 ms: the engine must never "
-    "wait.",
-    "bench_publisher.py": "A session with 1,000 live requests publishes once per second to "
-    "a real file; the engine thread's and the writer thread's own CPU clocks give what "
-    "the engine loses.",
-    "bench_throughput.py": "128 requests (shared 64-token prefix) through a tiny Llama, two "
-    "engines in one process stepped in turn with kvguard on one of them, roles swapped "
-    "each pair, in 3 processes; the interval is Student's t over the processes. The "
-    "control row checks the measure on itself. The server row runs two OpenAI servers "
-    "in turn (ABBA).",
-    "bench_kv_events.py": "The throughput benchmark's pairing on two engines that both "
-    "publish KV events with kvguard's hooks in: the treatment is kvguard's KV-event tap "
-    "alone (its publish wrapper and its drained-checkpoint read of the cached blocks), "
-    "in 3 processes.",
-    "bench_step_mix.py": "Every step counted on a real mix (prefix hits, preemption, aborts, "
-    "speculative decoding): one engine with kvguard's hooks put in and taken out each "
-    "round (ABBA), so no process bias; pass-through wrappers on the same methods split "
-    "the interception from kvguard's work; once more with the opt-in checkpoint pace.",
-    "bench_scheduler_versions.py": "vLLM's real `Scheduler` and `BlockPool` stepped without "
-    "a model, once per installed vLLM release (0.32 and 0.33), hooks in and out per round.",
-    "bench_cost_meter.py": "The step mix again, reading kvguard's own live meter "
-    "(`kvguard_cost_*`): what an operator sees must fall inside target 8's interval.",
-}
+METHOD = ("bench_hook_overhead.py", "bench_audit.py", "bench_scrape.py", "bench_memory.py",
+          "bench_transport.py", "bench_publisher.py", "bench_throughput.py",
+          "bench_kv_events.py", "bench_step_mix.py", "bench_scheduler_versions.py",
+          "bench_cost_meter.py")
+"""The benchmarks whose method BENCHMARKS.md states, in its order."""
+
+
+def method(script: str) -> str:
+    """A benchmark's method: its module docstring's second paragraph, on one line."""
+    doc = ast.get_docstring(ast.parse((HERE / script).read_text())) or ""
+    return " ".join(doc.split("\n\n")[1].split()).replace("``", "`")
+
+
+def what_if_summary() -> list[str]:
+    """The frozen what-if note's summary bullets (``bench/results/what_if.md``)."""
+    text = (RESULTS / "what_if.md").read_text().split("## Summary\n", 1)[1]
+    return [line for line in text.split("\n## ", 1)[0].splitlines() if line.startswith("- ")]
 
 
 def render() -> str:
@@ -274,7 +246,7 @@ def render() -> str:
               "with `.venv/bin/python bench/bench_audit.py` (any of those below), the "
               "tables with `.venv/bin/python bench/run_all.py --render`.", "",
               "## Method", ""]
-    lines += [f"- `bench/{script}`: {text}" for script, text in METHOD.items()]
+    lines += [f"- `bench/{script}`: {method(script)}" for script in METHOD]
     lines += ["", "Why target 8 misses: every event kvguard records is a Python call on the "
               "scheduler thread, about 15 per step on this mix, against a scheduler step of "
               "1-2 ms on this CPU VM; the interception alone costs nothing measurable, the "
@@ -282,10 +254,10 @@ def render() -> str:
               "`bench/results/step_mix.json`). End to end that is the 1 % of target 7."]
     lines += ["", "## What-if studies", "",
               "Target 8's miss and target 7's method raised questions that one measurement "
-              "each answered; they are kept as results, not run by default "
+              "each answered; they are kept as results and a frozen note, not run by default "
               "(`bench/results/what_if.md`, each with the commit and command that measured "
               "it):", ""]
-    lines += [f"- {s}" for s in whatif.summaries()]
+    lines += what_if_summary()
     lines += ["", "## History", "",
               "Earlier runs and their notes are data in `bench/results/history.json` "
               "(date, kind, targets, figures, note), oldest first; `git log bench/results` "

@@ -1,5 +1,5 @@
-"""Run every benchmark of the default set, one process each, then write BENCHMARKS.md and
-``bench/results/what_if.md`` from the results (``--render``: write them, run nothing)."""
+"""Run every benchmark of the default set, one process each, then write BENCHMARKS.md from
+the results (``--render``: write it, run nothing)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,11 @@ SCRIPTS = ["bench_hook_overhead.py", "bench_step_mix.py", "bench_throughput.py",
 target 5's 20; it runs on its own (``.venv/bin/python bench/bench_kv_events.py``)."""
 
 
-def write_reports() -> None:
+def write_report() -> None:
     sys.path.insert(0, str(HERE))
     import report
-    import whatif
 
     (HERE.parent / "BENCHMARKS.md").write_text(report.render())
-    (HERE / "results" / "what_if.md").write_text(whatif.render())
 
 
 if __name__ == "__main__":
@@ -37,5 +35,5 @@ if __name__ == "__main__":
             took[script] = time.monotonic() - t0
         (HERE / "results" / "run_all.json").write_text(json.dumps(
             {"seconds": took, "total_seconds": time.monotonic() - started}, indent=2))
-    write_reports()
+    write_report()
     print((HERE.parent / "BENCHMARKS.md").read_text())

@@ -4,10 +4,10 @@ A session with 1,000 live requests publishes once per second to a real file; the
 thread's and the writer thread's own CPU clocks give what the engine loses.
 
 What the engine pays: building the state on its own thread, and the writer thread's JSON
-serialization, which holds the GIL against it. Beside the clocks
-(``CLOCK_THREAD_CPUTIME_ID``, the criterion: the machine's speed scales both sides alike),
-the parts are timed alone, and a CPU-bound loop's rate is compared with and without
-publishing in ABBA rounds (its rounds scatter by several percent here, 100x the effect).
+serialization, which holds the GIL against it; both are read from the threads' own CPU
+clocks (``CLOCK_THREAD_CPUTIME_ID``: the machine's speed scales both sides alike), and
+the parts are timed alone. A loop's rate with and without publishing, once compared here
+too, scattered by several percent between rounds (100x the effect) and resolved nothing.
 The writer's whole CPU time, file syscalls included, gives an upper bound. Target: <= 0.2 %.
 """
 
@@ -30,8 +30,6 @@ LIVE_REQUESTS = 1000
 BLOCKS_PER_REQUEST = 8
 HISTORY = 64
 PUBLISH_INTERVAL = 1.0
-SECONDS = 2.0
-ROUNDS = 8
 
 
 def build_session(run_dir: Path):  # type: ignore[no-untyped-def]
@@ -59,19 +57,20 @@ def build_session(run_dir: Path):  # type: ignore[no-untyped-def]
     return s
 
 
-CLOCKS = {"publish_s": 0.0, "engine_cpu_s": 0.0, "writer_cpu_s": 0.0, "encode_s": 0.0,
-          "publishes": 0}
-"""CPU seconds summed over the rounds that publish (:func:`work_rate` with a session)."""
+SECONDS = 32.0
+"""How long the engine thread works and publishes (the old rounds' publishing time)."""
+
 PUBLISH_MS: list[float] = []
-"""The engine thread's CPU time in each ``publish()`` of those rounds (ms)."""
-COUNTING = [False]
-"""Whether a round that publishes is running (the writer's serialization counts then)."""
+"""The engine thread's CPU time in each ``publish()`` (ms)."""
 
 
-def clock_encoder(session) -> None:  # type: ignore[no-untyped-def]
-    """Count the writer thread's CPU time in serialization (Python holding the GIL) in
-    ``CLOCKS["encode_s"]``, while :func:`work_rate` publishes (the writer's other CPU
-    time is its file syscalls, which release the GIL)."""
+def clocked_run(session) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """A CPU-bound loop on this (the engine) thread for :data:`SECONDS`, publishing at the
+    session's interval as the step-end hook does: the engine thread's CPU time, its time
+    in ``publish()`` (and per call, ``publish_ms``), the writer thread's CPU time and its
+    time serializing (Python holding the GIL; its other CPU time is file syscalls, which
+    release it), in seconds."""
+    clocks = {"publish_s": 0.0, "encode_s": 0.0, "publishes": 0.0}
     encoder = session.publisher._encoder
     encode = encoder.encode
 
@@ -80,48 +79,27 @@ def clock_encoder(session) -> None:  # type: ignore[no-untyped-def]
         try:
             return encode(state)
         finally:
-            if COUNTING[0]:
-                CLOCKS["encode_s"] += time.thread_time() - t
+            clocks["encode_s"] += time.thread_time() - t
     encoder.encode = timed
-
-
-def writer_cpu_seconds(session) -> float:  # type: ignore[no-untyped-def]
-    """CPU time the session's publisher writer thread has run so far (seconds)."""
-    ident = session.publisher._thread.ident
-    return time.clock_gettime(time.pthread_getcpuclockid(ident))
-
-
-def work_rate(seconds: float, session=None) -> float:  # type: ignore[no-untyped-def]
-    """Work units per second on this thread; with ``session``, publishing at its interval
-    from the engine thread as the step-end hook does, and the threads' CPU clocks added to
-    :data:`CLOCKS`."""
-    if session is not None:
-        COUNTING[0] = True
-        cpu0, writer0 = time.thread_time(), writer_cpu_seconds(session)
-    n = 0
-    x = 0
-    t_end = time.perf_counter() + seconds
-    next_pub = time.monotonic()
-    while True:
+    writer = time.pthread_getcpuclockid(session.publisher._thread.ident)
+    cpu0, writer0 = time.thread_time(), time.clock_gettime(writer)
+    x, n, next_pub = 0, 0, time.monotonic()
+    t_end = time.perf_counter() + SECONDS
+    while (n & 63) or time.perf_counter() < t_end:
         for _ in range(200):
             x = (x * 1103515245 + 12345) & 0xFFFFFFFF
         n += 1
-        if session is not None and time.monotonic() >= next_pub:
+        if time.monotonic() >= next_pub:
             next_pub += PUBLISH_INTERVAL
             t = time.thread_time()
             session.publish()
-            took = time.thread_time() - t
-            CLOCKS["publish_s"] += took
-            PUBLISH_MS.append(took * 1000)
-            CLOCKS["publishes"] += 1
-        if (n & 63) == 0 and time.perf_counter() >= t_end:
-            break
-    if session is not None:
-        session.publisher.flush()  # the last state written: its serialization is counted
-        CLOCKS["engine_cpu_s"] += time.thread_time() - cpu0
-        CLOCKS["writer_cpu_s"] += writer_cpu_seconds(session) - writer0
-        COUNTING[0] = False
-    return n / seconds
+            PUBLISH_MS.append((time.thread_time() - t) * 1000)
+            clocks["publish_s"] += PUBLISH_MS[-1] / 1000
+            clocks["publishes"] += 1
+    session.publisher.flush()  # the last state written: its serialization is counted
+    clocks["engine_cpu_s"] = time.thread_time() - cpu0
+    clocks["writer_cpu_s"] = time.clock_gettime(writer) - writer0
+    return clocks
 
 
 if __name__ == "__main__":
@@ -140,36 +118,26 @@ if __name__ == "__main__":
         dump_ms.append((time.perf_counter() - t) * 1000)
     parts_fraction = (statistics.median(build_ms) + statistics.median(dump_ms)) / 1000 \
         / PUBLISH_INTERVAL
-    losses = []
     assert threading.active_count() >= 2, "the publisher's writer thread runs"
-    clock_encoder(s)
-    for _ in range(ROUNDS):  # ABBA: drift within a round cancels
-        a1 = work_rate(SECONDS, None)
-        b1 = work_rate(SECONDS, s)
-        b2 = work_rate(SECONDS, s)
-        a2 = work_rate(SECONDS, None)
-        losses.append(1 - (b1 + b2) / (a1 + a2))
+    c = clocked_run(s)
     s.close()
-    loss = statistics.median(losses)
     # The engine thread's loss: its own time in publish(), and the writer's time
     # serializing (holding the GIL the engine thread then waits for); the bound counts
     # all of the writer's CPU time as lost, its file syscalls included.
-    clocked = (CLOCKS["publish_s"] + CLOCKS["encode_s"]) / CLOCKS["engine_cpu_s"]
-    bound = (CLOCKS["publish_s"] + CLOCKS["writer_cpu_s"]) / CLOCKS["engine_cpu_s"]
+    clocked = (c["publish_s"] + c["encode_s"]) / c["engine_cpu_s"]
+    bound = (c["publish_s"] + c["writer_cpu_s"]) / c["engine_cpu_s"]
+    n = c["publishes"]
     print(f"state build {statistics.median(build_ms):.2f} ms, JSON dump "
           f"{statistics.median(dump_ms):.2f} ms ({len(data) / 1e3:.0f} kB) per publish; "
-          f"parts at 1 publish/s: {100 * parts_fraction:.3f} % of engine time; engine "
-          f"thread's measured loss {100 * loss:.3f} % (rounds: "
-          + ", ".join(f"{100 * x:.2f}" for x in losses) + "); threads' CPU clocks: "
-          f"publish() {1000 * CLOCKS['publish_s'] / CLOCKS['publishes']:.2f} ms, writer "
-          f"serializing {1000 * CLOCKS['encode_s'] / CLOCKS['publishes']:.2f} ms (all its "
-          f"CPU {1000 * CLOCKS['writer_cpu_s'] / CLOCKS['publishes']:.2f} ms) per publish: "
-          f"{100 * clocked:.3f} % of the engine thread's CPU time (at most {100 * bound:.3f} %)")
+          f"parts at 1 publish/s: {100 * parts_fraction:.3f} % of engine time; threads' CPU "
+          f"clocks: publish() {1000 * c['publish_s'] / n:.2f} ms, writer serializing "
+          f"{1000 * c['encode_s'] / n:.2f} ms (all its CPU {1000 * c['writer_cpu_s'] / n:.2f} "
+          f"ms) per publish: {100 * clocked:.3f} % of the engine thread's CPU time (at most "
+          f"{100 * bound:.3f} %)")
     save("publisher", {"build_ms": stats(build_ms), "dump_ms": stats(dump_ms),
                        "state_bytes": len(data), "live_requests": LIVE_REQUESTS,
                        "history": HISTORY, "publish_interval_seconds": PUBLISH_INTERVAL,
-                       "parts_fraction": parts_fraction, "loss_per_round": losses,
-                       "loss_median": loss, "clocks": dict(CLOCKS),
+                       "parts_fraction": parts_fraction, "clocks": c,
                        "publish_ms": stats(PUBLISH_MS),
                        "clocked_fraction": clocked, "clocked_bound_fraction": bound,
                        "target_fraction": 0.002})

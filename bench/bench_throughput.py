@@ -3,7 +3,6 @@
 128 requests (shared 64-token prefix) through a tiny Llama, two engines in one process
 stepped in turn with kvguard on one of them, roles swapped each pair, in 3 processes; the
 interval is Student's t over the processes. The control row checks the measure on itself.
-The server row runs two OpenAI servers in turn (ABBA).
 
 A repetition: 96 output tokens per request, a 256-block pool, up to 64 requests per step
 (prefix hits, queueing, preemption); throughput is output tokens per second. This VM's
@@ -18,7 +17,6 @@ added until the 95 % interval is within +-0.5 % or the mode's budget is spent.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import os
 import statistics
@@ -38,7 +36,6 @@ from harness import (
     save,
     set_hooks,
     set_kv_tap,
-    t_interval,
 )
 
 REQUESTS, PREFIX_TOKENS, SUFFIX_TOKENS, OUTPUT_TOKENS = 128, 64, 32, 96
@@ -59,8 +56,10 @@ TARGET_HALF_WIDTH = 0.005
 CONTROL_BURN_US = float(os.environ.get("KVGUARD_BENCH_THROUGHPUT_BURN_US", "70"))
 """The control's known cost: a busy wait per step of the treated engine (about 2 %)."""
 MODES = ("interleaved-sync", "interleaved-async", "interleaved-control-sync",
-         "interleaved-kv-events-sync", "server")
-DEFAULT_MODES = ("interleaved-control-sync", "interleaved-sync", "interleaved-async", "server")
+         "interleaved-kv-events-sync")
+DEFAULT_MODES = ("interleaved-control-sync", "interleaved-sync", "interleaved-async")
+"""Two OpenAI servers in turn were a mode until 2fa85bf; their interval never resolved
+(``bench/results/what_if.md``, ``throughput_server``)."""
 SAME_HASH_SEED = {"PYTHONHASHSEED": "0"}
 """vLLM iterates sets of request ids: two hash seeds schedule differently."""
 
@@ -259,7 +258,7 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
 def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, Any]:
     """An ``interleaved-*`` mode: the control's two treatments in one process; kvguard (or
     its KV-event tap) in ``PROCESSES`` processes one after another, each with half the
-    mode's budget, judged over them (:func:`harness.across_processes`)."""
+    mode's budget, judged over them (:func:`across_processes`)."""
     scheduling = mode.rsplit("-", 1)[1]
     if mode.startswith("interleaved-control-"):
         pairs = _interleaved_process(mode, scheduling, CONTROLS, model_dir, log,
@@ -302,80 +301,6 @@ def _print(what: str, r: dict[str, Any]) -> None:
           f"{r['tokens_per_second_off']:.0f} tokens/s{extra}", flush=True)
 
 
-class ServerSide:
-    """One OpenAI server (kvguard on or off) and an ``AsyncOpenAI`` client for it."""
-
-    def __init__(self, model_dir: Path, enabled: bool, log: Path) -> None:
-        import httpx2  # the HTTP client of openai 3.x
-        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
-
-        from kvguard.testing.engine import ServerProcess
-
-        env = {**SAME_HASH_SEED, "KVGUARD_ENABLED": "1" if enabled else "0",
-               "KVGUARD_RUN_DIR": str(log.parent / f"run-server-{int(enabled)}")}
-        self.spec = spec_for(model_dir, "sync")
-        self.server = ServerProcess(self.spec, log_path=log, env=env)
-        self.server.start()
-        # Idle connections dropped after 1 s, before the server's 5 s keep-alive: with both
-        # at 5 s, a request on a connection the server was closing failed (ReadError).
-        http = DefaultAsyncHttpxClient(limits=httpx2.Limits(
-            max_connections=1000, max_keepalive_connections=200, keepalive_expiry=1.0))
-        self.client = AsyncOpenAI(base_url=self.server.base_url + "/v1", api_key="unused",
-                                  max_retries=0, timeout=600, http_client=http)
-        self.loop = asyncio.new_event_loop()
-
-    async def _one(self, p: list[int]) -> int:
-        out = await self.client.completions.create(
-            model=self.spec.served_model_name, prompt=p, max_tokens=OUTPUT_TOKENS,
-            temperature=0.0, extra_body={"ignore_eos": True})
-        return out.usage.completion_tokens if out.usage else 0
-
-    async def _batch(self, seed: int) -> int:
-        return sum(await asyncio.gather(*(self._one(p) for p in prompts(seed))))
-
-    def run(self, seed: int) -> float:
-        """One repetition's wall time (s), every token checked."""
-        t0 = time.perf_counter()
-        tokens = self.loop.run_until_complete(self._batch(seed))
-        if tokens != TOKENS:
-            raise RuntimeError(f"server: {tokens} tokens generated, expected {TOKENS}")
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.client.close())
-        self.loop.close()
-        self.server.stop()
-
-
-def measure_server(model_dir: Path, tmp: Path) -> dict[str, Any]:
-    """Whole repetitions on the two servers in turn (ABBA); a pair's sample: on / off."""
-    sides = {on: ServerSide(model_dir, on, tmp / f"server-{int(on)}.log") for on in (True, False)}
-    ratios: list[float] = []
-    seconds: dict[bool, list[float]] = {True: [], False: []}
-    try:
-        for side in sides.values():  # one untimed repetition each: caches and JIT warm
-            side.run(0)
-        started = time.monotonic()
-        for pair in range(1, MAX_PAIRS + 1):
-            for on in ((True, False) if pair % 2 else (False, True)):
-                seconds[on].append(sides[on].run(pair))
-            ratios.append(seconds[False][-1] / seconds[True][-1])  # throughput on / off
-            if pair >= MIN_PAIRS and (t_interval(ratios)[1] <= TARGET_HALF_WIDTH
-                                      or time.monotonic() - started > BUDGET_SECONDS):
-                break
-    finally:
-        for side in sides.values():
-            side.close()
-    mean, half = t_interval(ratios)
-    row = {"mode": "server", "pairs": len(ratios), "mean_ratio": mean, "ci95_half_width": half,
-           "median_ratio": statistics.median(ratios), "ratios": ratios,
-           "tokens_per_second_on": TOKENS / statistics.median(seconds[True]),
-           "tokens_per_second_off": TOKENS / statistics.median(seconds[False]),
-           "seconds_on": seconds[True], "seconds_off": seconds[False]}
-    _print("server", row)
-    return row
-
-
 def main() -> None:
     from kvguard.testing.tiny_model import make_tiny_model
 
@@ -387,8 +312,7 @@ def main() -> None:
     if not wanted or any(m not in MODES for m in wanted):
         raise SystemExit(f"KVGUARD_BENCH_THROUGHPUT_MODES={raw!r}: name one or more of "
                          f"{', '.join(MODES)}, comma-separated")
-    rows = [measure_server(model_dir, tmp) if mode == "server"
-            else measure_interleaved(mode, model_dir, tmp / f"{mode}.log") for mode in wanted]
+    rows = [measure_interleaved(mode, model_dir, tmp / f"{mode}.log") for mode in wanted]
     save(RESULT, {"rows": rows, "target_mean_ratio": 0.99,
                   "target_ci95_half_width": TARGET_HALF_WIDTH,
                   "workload": {"requests": REQUESTS, "prefix_tokens": PREFIX_TOKENS,

@@ -176,7 +176,7 @@ def _throughput_rows() -> list[tuple[str, str]]:
         if "null" in row:
             out.append((throughput_control_row(row, d["target_ci95_half_width"]), day(d)))
             continue
-        what = {"interleaved-sync": "sync scheduling", "server": "OpenAI server",
+        what = {"interleaved-sync": "sync scheduling",
                 "interleaved-async": "async scheduling"}.get(row["mode"], row["mode"])
         verdict = throughput_verdict(row, d["target_mean_ratio"], d["target_ci95_half_width"])
         out.append((f"| 7 end-to-end throughput, {what}: >= 0.99x | "

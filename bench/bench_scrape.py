@@ -2,10 +2,9 @@
 
 The real ``kvguard sidecar`` reads 8 engine state files (125 live requests each, 64 reports
 of history); the client times 300 scrapes, then again after the counters say 10 million
-requests were served. The sidecar writes the text format itself
-(``kvguard/sidecar/exposition.py``: byte for byte prometheus_client's, pinned by
-``tests/sidecar/test_exposition.py``), 0.8 ms where the library's ``generate_latest`` takes
-2.6-5.7 ms on these 441 samples.
+requests were served. The sidecar writes the text format with prometheus_client's
+``generate_latest`` (a hand-written writer, 0.8 ms where the library took 2.6-5.7 ms on
+these 441 samples, went on 2026-12-07: the library meets the target).
 """
 
 from __future__ import annotations

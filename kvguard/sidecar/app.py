@@ -11,13 +11,13 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvguard.config import ENGINE_NAME_PATTERN
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.transfer_links import link_transfers
-from kvguard.sidecar.exposition import TextExposition
 from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.models import (
     CheckpointRequestResponse,
@@ -83,8 +83,8 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
 
     app = FastAPI(title="kvguard sidecar", version=__version__, lifespan=lifespan,
                   description="KV-cache block ownership reports and metrics for vLLM engines.")
-    collector = KvguardCollector(store)
-    exposition = TextExposition()  # generate_latest's bytes, its names checked once
+    registry = CollectorRegistry(auto_describe=False)  # only kvguard's families, read per scrape
+    registry.register(KvguardCollector(store))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -119,7 +119,7 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
     @app.get("/metrics", response_class=Response, summary="Prometheus metrics",
              responses={200: {"content": {"text/plain": {}}}})
     def metrics() -> Response:
-        return Response(exposition.render(collector.collect()), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz", response_model=Health)
     def healthz() -> Health:

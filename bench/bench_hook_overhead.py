@@ -75,7 +75,9 @@ if __name__ == "__main__":
     for sched, samples in ((on.scheduler, samples_on), (hooks_only.scheduler, samples_hooks),
                            (scheduler_of(off_engine), samples_off)):
         # only steps with all 64 requests running
-        time_steps(sched, samples, counts=lambda s=sched: len(s.running) == CONCURRENCY)
+        def full(s: Any = sched) -> bool:
+            return len(s.running) == CONCURRENCY
+        time_steps(sched, samples, counts=full)
     engines = [(on, samples_on), (hooks_only, samples_hooks), (off, samples_off)]
     for h, _ in engines:  # warm-up
         run_round(h, 0)

@@ -247,7 +247,9 @@ def measure_toggle(env: dict[str, str], tmp: Path, modes: tuple[str, ...] = MODE
             budget = RoundBudget(seconds_env, seconds, min_rounds=min(MIN_ROUNDS, MAX_ROUNDS),
                                  max_rounds=MAX_ROUNDS, step=2)
             seed = 500 + p * MAX_ROUNDS  # distinct per process up to the most rounds
-            rounds = abba(budget, modes, lambda r, m, w=w, s=seed: w.ask(f"run {s + r} {m}"))
+            def ask(r: int, m: str, w: Worker = w, s: int = seed) -> Any:
+                return w.ask(f"run {s + r} {m}")
+            rounds = abba(budget, modes, ask)
             for got in rounds:
                 mismatched += any(len(got[k]["us"]) != len(got["off"]["us"])
                                   or got[k]["vllm"] != got["off"]["vllm"] for k in modes)

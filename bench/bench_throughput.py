@@ -73,10 +73,11 @@ def prompts(seed: int) -> list[list[int]]:
 
 def spec_for(model_dir: Path, scheduling: str) -> Any:
     from kvguard.testing.engine import EngineSpec
+    from kvguard.testing.scheduling import Scheduling
 
     return EngineSpec(model_dir=model_dir, num_gpu_blocks_override=POOL_BLOCKS,
                       max_model_len=512, max_num_seqs=MAX_SEQS, max_num_batched_tokens=4096,
-                      kv_cache_memory_bytes=32 << 20, scheduling=scheduling)
+                      kv_cache_memory_bytes=32 << 20, scheduling=Scheduling(scheduling))
 
 
 def warm_llm(scheduling: str, model_dir: str, kv_events: str | None = None) -> Any:

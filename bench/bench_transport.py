@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from harness import save, stats
 
@@ -31,7 +32,7 @@ def state_for_bench() -> EngineState:
     return state([report(i, holding=i % 3) for i in range(1, 65)])
 
 
-def run(slow_seconds: float) -> dict[str, object]:
+def run(slow_seconds: float) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="kvguard-transport-"))
     pub = StatePublisher(tmp, "dp0", heartbeat_seconds=60)
     if slow_seconds:

@@ -171,7 +171,7 @@ def kv_tap(scheduler: Any, clock: list[int]) -> KvTap | None:
     if g is None or g.kv_events is None:
         return None
     pub, tap = scheduler.kv_event_publisher, g.kv_events
-    tap.snapshot = clocked(tap.snapshot, clock)
+    tap.snapshot = clocked(tap.snapshot, clock)  # type: ignore[method-assign]
     return KvTap(g, tap, pub, clocked(pub.__dict__["publish"], clock))
 
 

@@ -28,7 +28,8 @@ TARGET_HALF_KV = 0.005
 
 def load(name: str) -> dict[str, Any]:
     path = RESULTS / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else {}  # type: ignore[no-any-return]
+    out: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    return out
 
 
 def short(verdict: str) -> str:
@@ -232,7 +233,7 @@ def what_if_summary() -> list[str]:
 
 def render() -> str:
     newest = max((day(load(p.stem)) for p in RESULTS.glob("*.json")), default="-")
-    m = next((load(p.stem)["machine"] for p in sorted(RESULTS.glob("*.json"))
+    m: dict[str, str] = next((load(p.stem)["machine"] for p in sorted(RESULTS.glob("*.json"))
               if day(load(p.stem)) == newest), {})
     lines = ["# kvguard benchmarks", "", end_to_end(load("throughput")), "",
              "| target | measured (95 % interval) | verdict | date |", "|---|---|---|---|"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvguard.core import checkpoint
 from kvguard.core.engine import EngineActivity, EngineIdentity, HoldBound
@@ -350,7 +351,7 @@ def build_report(
 
 
 # ------------------------------------------------------------ random workloads
-def random_clean_ops(h: Harness, data, n_ops: int, *, style: str = "attributed") -> None:
+def random_clean_ops(h: Harness, data: Any, n_ops: int, *, style: str = "attributed") -> None:
     """Draw ``n_ops`` healthy engine operations (hypothesis ``st.data()`` object).
 
     ``style``: ``attributed``, ``pool`` (pool-level hooks) or ``mixed``.
@@ -359,7 +360,7 @@ def random_clean_ops(h: Harness, data, n_ops: int, *, style: str = "attributed")
 
     def attributed() -> bool:
         if style == "mixed":
-            return data.draw(st.booleans(), label="attributed")
+            return bool(data.draw(st.booleans(), label="attributed"))
         return style == "attributed"
 
     for _ in range(n_ops):

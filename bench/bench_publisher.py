@@ -67,9 +67,9 @@ PUBLISH_MS: list[float] = []
 def clocked_run(session) -> dict[str, float]:  # type: ignore[no-untyped-def]
     """A CPU-bound loop on this (the engine) thread for :data:`SECONDS`, publishing at the
     session's interval as the step-end hook does: the engine thread's CPU time, its time
-    in ``publish()`` (and per call, ``publish_ms``), the writer thread's CPU time and its
-    time serializing (Python holding the GIL; its other CPU time is file syscalls, which
-    release it), in seconds."""
+    in ``publish()`` (each call also in :data:`PUBLISH_MS`), the writer thread's CPU time
+    and its time serializing (Python holding the GIL; its other CPU time is file
+    syscalls, which release it), in seconds."""
     clocks = {"publish_s": 0.0, "encode_s": 0.0, "publishes": 0.0}
     encoder = session.publisher._encoder
     encode = encoder.encode

@@ -259,7 +259,7 @@ def _interleaved_process(mode: str, scheduling: str, treatments: tuple[Treatment
 def measure_interleaved(mode: str, model_dir: Path, log: Path) -> dict[str, Any]:
     """An ``interleaved-*`` mode: the control's two treatments in one process; kvguard (or
     its KV-event tap) in ``PROCESSES`` processes one after another, each with half the
-    mode's budget, judged over them (:func:`across_processes`)."""
+    mode's budget, judged over them (:func:`harness.across_processes`)."""
     scheduling = mode.rsplit("-", 1)[1]
     if mode.startswith("interleaved-control-"):
         pairs = _interleaved_process(mode, scheduling, CONTROLS, model_dir, log,

@@ -233,8 +233,9 @@ def what_if_summary() -> list[str]:
 
 def render() -> str:
     newest = max((day(load(p.stem)) for p in RESULTS.glob("*.json")), default="-")
-    m: dict[str, str] = next((load(p.stem)["machine"] for p in sorted(RESULTS.glob("*.json"))
-              if day(load(p.stem)) == newest), {})
+    m: dict[str, str] = next((load(p.stem)["machine"]
+                              for p in sorted(RESULTS.glob("*.json"))
+                              if day(load(p.stem)) == newest), {})
     lines = ["# kvguard benchmarks", "", end_to_end(load("throughput")), "",
              "| target | measured (95 % interval) | verdict | date |", "|---|---|---|---|"]
     lines += [f"{row} {date[:10]} |" for row, date in table()]

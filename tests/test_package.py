@@ -102,8 +102,7 @@ def test_mypy_strict_is_clean(python: str, mypy_runs: dict[str, subprocess.Popen
 
 def test_ruff_is_clean() -> None:
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "kvguard", "tests", "bench"],
-                       cwd=ROOT,
-                       capture_output=True, text=True)
+                       cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
 

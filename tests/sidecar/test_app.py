@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 from factories import judged, report, state, write
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.core.trend import TrendVerdict
 from kvguard.sidecar.app import create_app
+from kvguard.sidecar.metrics import KvguardCollector
 from kvguard.sidecar.store import EngineStore
 from kvguard.transport.control import request_path
 from kvguard.transport.publisher import state_path
@@ -48,6 +51,21 @@ def test_sidecar_started_before_any_engine_serves_empty_answers(tmp_path: Path) 
         assert c.get("/v1/report").json() == {"engines": [], "transfer_links": []}
         assert c.get("/v1/checkpoints").json() == {"checkpoints": []}
         assert c.get("/metrics").status_code == 200
+
+
+def test_get_metrics_serves_the_librarys_bytes_with_its_content_type(tmp_path: Path) -> None:
+    for e in range(2):
+        write(tmp_path, state([report(i, engine=f"dp{e}", holding=(i + e) % 3)
+                               for i in range(1, 9)], engine=f"dp{e}", hook_errors=e))
+    store = EngineStore(tmp_path)
+    store.refresh()
+    with TestClient(create_app(store, poll_interval_seconds=60)) as c:
+        got = c.get("/metrics")
+    assert got.status_code == 200
+    assert got.headers["content-type"] == CONTENT_TYPE_LATEST
+    library = CollectorRegistry(auto_describe=False)
+    library.register(KvguardCollector(store))
+    assert got.content == generate_latest(library)
 
 
 class _SlowStore(EngineStore):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvguard.config import default_run_dir
+from kvguard.testing.hang import take_hung
 
 # Keep EngineCore in this process so tests can reach the real scheduler and pool.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -38,6 +39,18 @@ def _no_test_writes_to_the_default_run_dir(request: pytest.FixtureRequest) -> It
                     f"to its default run dir ({DEFAULT_RUN_DIR}): give the engine or server a "
                     "run dir of its own, e.g. KVGUARD_RUN_DIR=<tmp_path>/run in its "
                     "environment", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_server_hung(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A real vLLM server that stopped answering during this test (or a fixture it uses)
+    fails it, naming the server and the ``py-spy`` dump of its threads
+    (:mod:`kvguard.testing.hang` stopped it within about a minute). A server that hung
+    between tests (a module's shared server) fails the next test, which would use it."""
+    yield
+    hung = take_hung()
+    if hung:
+        pytest.fail("; ".join(h.describe() for h in hung), pytrace=False)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
 from kvguard.errors import ConfigError, KvguardError
+from kvguard.testing.hang import HangWatch
 from kvguard.testing.ports import LOOPBACK, free_loopback_port
 from kvguard.testing.scheduling import Scheduling, requesting_async, server_env
 from kvguard.testing.warmup import WarmupError, warm_up_engine, warm_up_server
@@ -277,6 +278,7 @@ class ServerProcess:
         stop_grace_seconds: float = 5.0,
         host: str = LOOPBACK,
         command_prefix: Sequence[str] = (),
+        watch_hangs: bool = True,
     ) -> None:
         self.spec = spec
         self.log_path = log_path
@@ -292,6 +294,10 @@ class ServerProcess:
         self._health_timeout_seconds = health_timeout_seconds
         self._stop_grace_seconds = stop_grace_seconds
         self._process: subprocess.Popen[bytes] | None = None
+        self._watch_hangs = watch_hangs
+        """Once ready, a :class:`~kvguard.testing.hang.HangWatch` probes the server: one
+        that answers nothing for 45 s is dumped (``py-spy``) and stopped."""
+        self._watch: HangWatch | None = None
 
     @property
     def pid(self) -> int | None:
@@ -340,6 +346,9 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
+        if self._watch_hangs:  # started on this thread: probes in this thread's namespace
+            self._watch = HangWatch(self.base_url, self._process.pid, self.log_path)
+            self._watch.start()
 
     def _wait_healthy(self, process: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self._health_timeout_seconds
@@ -381,6 +390,9 @@ class ServerProcess:
 
     def stop(self) -> None:
         """Stop every process of the server's group: SIGTERM, then SIGKILL after the grace time."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         process, self._process = self._process, None
         if process is None:
             return

@@ -73,6 +73,17 @@ them after each test)."""
 _HUNG_LOCK = threading.Lock()
 
 
+def raise_if_hung(what: str) -> None:
+    """Raise ``AssertionError`` at once when a watched server was declared hung (and
+    stopped): a test's polling loop (``until``) calls this so that it stops waiting for a
+    server that will never answer again. The reports stay for the suite's conftest."""
+    with _HUNG_LOCK:
+        hung = list(HUNG)
+    if hung:
+        raise AssertionError(f"gave up waiting for {what}: "
+                             + "; ".join(h.describe() for h in hung))
+
+
 def take_hung() -> list[HangReport]:
     """The hung servers recorded since the last call (and forget them)."""
     with _HUNG_LOCK:

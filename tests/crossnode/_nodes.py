@@ -22,6 +22,7 @@ import yaml
 from _netns import Node, TwoNodes, entered
 
 from kvguard.testing.engine import ServerProcess
+from kvguard.testing.hang import raise_if_hung
 
 PD_DIR = Path(__file__).resolve().parents[1] / "pd"
 """The P/D pair and its proxy live with their tests (``tests/pd``), not in the package."""
@@ -59,6 +60,7 @@ def post_json(node: Node, url: str, body: Mapping[str, Any],
 def until(what: str, cond: Callable[[], Any], timeout: float = WAIT_SECONDS) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        raise_if_hung(what)  # a server the hang watch stopped never answers again
         try:
             v = cond()
         except (TimeoutError, urllib.error.URLError, ConnectionError):

@@ -14,6 +14,7 @@ from pd_pair import PdPair
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvguard.core.state import EngineState
+from kvguard.testing.hang import raise_if_hung
 from kvguard.transport.reader import read_run_dir
 
 WAIT_SECONDS = 180.0
@@ -66,6 +67,7 @@ def state(pair: PdPair, engine: str) -> EngineState:
 def until(what: str, cond: Callable[[], Any], timeout: float = WAIT_SECONDS) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        raise_if_hung(what)  # a server the hang watch stopped never answers again
         try:
             v = cond()
         except (TimeoutError, urllib.error.URLError):  # a stalled server: ask again

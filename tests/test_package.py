@@ -52,7 +52,7 @@ def test_requires_python_admits_3_12_and_the_tools_target_its_minimum() -> None:
     assert PYPROJECT["tool"]["ruff"]["target-version"] == "py" + pythons[0].replace(".", "")
 
 
-BENCH_PATH = ["bench", "tests/core", "tests/sidecar", "tests/scheduler"]
+BENCH_PATH = ["bench", "tests/core", "tests/sidecar", "tests/scheduler", "tests/pd"]
 """Where the benchmarks' own modules (``harness``) and the test helpers they use live."""
 
 

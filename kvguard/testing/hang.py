@@ -6,9 +6,10 @@ for many minutes, and leave nothing to say why. :class:`HangWatch` probes the se
 from a daemon thread every :data:`PROBE_EVERY_SECONDS`; when no probe has been answered
 for :data:`UNANSWERED_LIMIT_SECONDS` while the server's process still lives, it
 
-1. writes a ``py-spy dump`` of every thread of every process in the server's process
-   group (API server, EngineCore, workers) to ``<log>.hang.txt`` and to stderr (pytest
-   shows it with the failing test);
+1. writes what the machine was doing (load average, memory, the processes holding the
+   most memory) and a ``py-spy dump`` of every thread of every process in the server's
+   process group (API server, EngineCore, workers) to ``<log>.hang.txt`` and to stderr
+   (pytest shows it with the failing test);
 2. stops the group by its pid (SIGKILL): the test's pending requests then fail at once
    instead of waiting out their own timeouts;
 3. records a :class:`HangReport` in :data:`HUNG`, which the suite's ``conftest`` turns
@@ -126,6 +127,23 @@ def dump_threads(pids: list[int]) -> str:
     return "\n".join(parts)
 
 
+def machine_summary() -> str:
+    """What the machine was doing: load, memory, and the processes holding the most memory
+    and CPU (a hang on 2 cores has been CPU or memory starvation as often as a deadlock)."""
+    lines = []
+    with contextlib.suppress(OSError):
+        lines.append("loadavg: " + Path("/proc/loadavg").read_text().strip())
+    with contextlib.suppress(OSError):
+        mem = Path("/proc/meminfo").read_text().splitlines()
+        lines += [m for m in mem if m.split(":")[0] in ("MemTotal", "MemAvailable", "Cached",
+                                                         "Dirty", "SwapTotal", "SwapFree")]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        ps = subprocess.run(["ps", "-eo", "pid,pgid,stat,nlwp,pcpu,rss,etimes,args",
+                             "--sort=-rss"], capture_output=True, text=True, timeout=10)
+        lines += [row[:200] for row in ps.stdout.splitlines()[:25]]
+    return "\n".join(lines)
+
+
 class HangWatch:
     """Probes one running server; declares it hung, dumps and stops it (see the module)."""
 
@@ -178,7 +196,7 @@ class HangWatch:
                 return
 
     def _declare_hung(self, silent: float) -> None:
-        dump = dump_threads(group_pids(self._pgid))
+        dump = machine_summary() + "\n" + dump_threads(group_pids(self._pgid))
         path = self._log_path.with_name(self._log_path.name + ".hang.txt")
         with contextlib.suppress(OSError):
             path.write_text(dump)

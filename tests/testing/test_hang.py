@@ -68,7 +68,7 @@ def test_a_server_that_stops_answering_is_dumped_and_stopped_by_its_group(
         assert group_pids(proc.pid) == []
         dump = hung[0].dump_path.read_text()
         assert hung[0].dump_path == tmp_path / "decode.log.hang.txt"
-        assert f"pid {proc.pid}" in dump
+        assert f"pid {proc.pid}" in dump and "MemAvailable" in dump and "loadavg" in dump
         assert "serve_until_frozen" in dump, dump  # py-spy read the frozen process's stack
         assert "decode.log" in hung[0].describe()
     finally:

@@ -167,6 +167,29 @@ def table() -> list[tuple[str, str]]:
                     f"{100 * clocked:.2f} % of the engine's | "
                     f"{no_change_verdict(row, TARGET_HALF_KV)} |",
                     day(load("throughput_kv_events"))))
+    out += _pd_rows()
+    return out
+
+
+def _pd_rows() -> list[tuple[str, str]]:
+    """Target 11 (``bench_pd.py``): a healthy P/D pair's workload wall with kvguard over
+    without it, and vLLM's own lease lapses on each side."""
+    d = load("pd")
+    summary = d.get("summary", {})
+    off = summary.get("off")
+    out = []
+    for side, row in summary.items():
+        if side == "off" or off is None:
+            continue
+        ratios = row["wall_ratios"]
+        out.append((f"| 11 healthy P/D pair (NixlConnector, stock executor, {len(ratios)} "
+                    f"pairs): workload wall <= 1.05x, no lease lapse of kvguard's own | "
+                    f"median **{row['wall_ratio_median']:.3f}x** ({min(ratios):.2f}-"
+                    f"{max(ratios):.2f}); vLLM's lapses {row['lapses']:.0f} with, "
+                    f"{off['lapses']:.0f} without; decode TTFT median "
+                    f"{row['decode_ttft_median_s']:.3f} s with, "
+                    f"{off['decode_ttft_median_s']:.3f} s without | "
+                    f"{'**pass**' if row['verdict'] == 'PASS' else '**miss**'} |", day(d)))
     return out
 
 
@@ -215,7 +238,7 @@ def _step_mix_rows() -> list[tuple[str, str]]:
 METHOD = ("bench_hook_overhead.py", "bench_audit.py", "bench_scrape.py", "bench_memory.py",
           "bench_transport.py", "bench_publisher.py", "bench_throughput.py",
           "bench_kv_events.py", "bench_step_mix.py", "bench_scheduler_versions.py",
-          "bench_cost_meter.py")
+          "bench_cost_meter.py", "bench_pd.py")
 """The benchmarks whose method BENCHMARKS.md states, in its order."""
 
 

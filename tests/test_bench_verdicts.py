@@ -204,3 +204,33 @@ def test_abba_reverses_the_order_every_other_round() -> None:
     assert [m for _, m in seen] == list("abccbaabccba")
     assert [r for r, _ in seen] == [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
     assert rounds == [{"a": "a", "b": "b", "c": "c"}] * 4
+
+
+def _pd_run(pair: int, side: str, wall: float, lapses: float = 0.0) -> dict[str, Any]:
+    return {"pair": pair, "side": side, "wall_s": wall, "decode_ttft_s": [0.1, 0.2],
+            "lapses": lapses, "late_reads": 0.0, "kvguard_loaded": side != "off"}
+
+
+def test_pd_verdict_is_the_median_paired_wall_ratio_and_kvguards_own_lapses() -> None:
+    sys.path.insert(0, str(BENCH.parent / "tests" / "pd"))  # bench_pd imports the pair
+    try:
+        pd = _module("bench_pd")
+    finally:
+        sys.path.remove(str(BENCH.parent / "tests" / "pd"))
+    # Pairs at different machine speeds; kvguard 3 % slower in each: passes.
+    runs = [r for i, speed in enumerate((1.0, 2.0, 0.7))
+            for r in (_pd_run(i, "off", 5 * speed), _pd_run(i, "on", 5 * speed * 1.03))]
+    s = pd.summarize(runs, ["off", "on"])["on"]
+    assert s["wall_ratio_median"] == 1.03 and s["verdict"] == "PASS"
+    # One pair 10 % slower is not the median; a lapse that also happened without it is
+    # not kvguard's.
+    runs[1] = _pd_run(0, "on", 5.5, lapses=1)
+    runs[0] = _pd_run(0, "off", 5.0, lapses=1)
+    assert pd.summarize(runs, ["off", "on"])["on"]["verdict"] == "PASS"
+    # A lapse only with kvguard fails, whatever the walls say.
+    runs[0] = _pd_run(0, "off", 5.0)
+    s = pd.summarize(runs, ["off", "on"])["on"]
+    assert s["lapse_pairs_without_off_lapse"] == 1 and s["verdict"] == "FAIL"
+    # 6 % slower in every pair fails.
+    runs = [r for i in range(3) for r in (_pd_run(i, "off", 5.0), _pd_run(i, "on", 5.3))]
+    assert pd.summarize(runs, ["off", "on"])["on"]["verdict"] == "FAIL"

@@ -67,6 +67,7 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_request_events_total": _m("counter", *ENGINE, "event"),
     "kvguard_hook_errors_total": _m("counter", *ENGINE),
     "kvguard_engine_up": _m("gauge", *ENGINE),
+    "kvguard_engine_start_timestamp_seconds": _m("gauge", *ENGINE),
     "kvguard_leak_trend": _m("gauge", *ENGINE),
     "kvguard_allocator_bytes": _m(
         "gauge", *ENGINE, "kind", reserved=True,

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "kvguard-alerts.yaml"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "kvguard-alerts.test.yaml"
 DASHBOARD = REPO / "dashboards" / "kvguard.json"
+SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "scrape-config.yaml"
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,9 @@ class KvguardCollector(Collector):
         trend = GaugeMetricFamily("kvguard_leak_trend",
                                   "1 when leaked blocks or finished requests holding blocks grew "
                                   "over consecutive drained checkpoints.", labels=eng)
+        started = GaugeMetricFamily("kvguard_engine_start_timestamp_seconds",
+                                    "Unix time the engine process started (its epoch): the "
+                                    "age of an engine no audit has judged yet.", labels=eng)
         last = GaugeMetricFamily("kvguard_last_checkpoint_timestamp_seconds",
                                  "Unix time of the last drained checkpoint.", labels=eng)
         checkpoints = CounterMetricFamily("kvguard_checkpoints",
@@ -177,6 +180,7 @@ class KvguardCollector(Collector):
             if s.drain is not None:
                 drain_eta.add_metric(ids, s.drain.eta_seconds)
             up.add_metric(ids, 1.0 if self.store.is_up(view, now) else 0.0)
+            started.add_metric(ids, s.started_at)
             info.add_metric([*ids, s.epoch, s.kvguard_version, s.engine_kind,
                              s.engine_version or "", str(METRICS_CONTRACT_VERSION)], 1.0)
             holding.add_metric(ids, float(s.finished_requests_holding_blocks))
@@ -232,7 +236,7 @@ class KvguardCollector(Collector):
         read_errors.add_metric([], float(self.store.num_read_errors))
         if latest_swap is not None:
             swap.add_metric([], float(latest_swap[1]))
-        yield from (up, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
+        yield from (up, started, info, cap, blocks, sat, holding, leaked, trend, last, checkpoints,
                     events, errors, unaudited, read_errors, drain_eta, allocator, device, swap,
                     sweeps, online_seconds, sweep_steps, latency, last_sweep, kv_info,
                     kv_pending, kv_outcomes, kv_hazards, cost_steps, cost_self, cost_sched,

@@ -276,16 +276,26 @@ def test_service_selects_the_pods_and_exposes_both_named_ports() -> None:
     assert container_ports[ports["http"]["targetPort"]][0] == VLLM_CONTAINER
 
 
-def test_servicemonitor_scrapes_the_metrics_port_of_that_service() -> None:
+def test_servicemonitor_scrapes_the_sidecar_and_vllms_own_metrics_of_that_service() -> None:
+    """Two endpoints of the same pods: the sidecar's port (job kvguard, which
+    KvguardSidecarDown watches) and vLLM's API port (job vllm), both at /metrics, so that
+    the operator gives both targets the pod's namespace and pod labels to join on."""
     monitor = the_object("ServiceMonitor")
     service = the_object("Service")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= \
         service["metadata"]["labels"].items()
     assert "namespaceSelector" not in monitor["spec"]  # same namespace as the Service
-    (endpoint,) = monitor["spec"]["endpoints"]
-    assert endpoint["port"] == METRICS_PORT_NAME
-    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
-    assert endpoint.get("path", "/metrics") == "/metrics"
+    service_ports = {p["name"]: p for p in service["spec"]["ports"]}
+    container_of = {p["name"]: c["name"] for c in _pod_spec()["containers"]
+                    for p in c.get("ports", [])}
+    jobs = {}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint.get("path", "/metrics") == "/metrics"
+        target = service_ports[endpoint["port"]]["targetPort"]
+        (relabel,) = endpoint["relabelings"]
+        assert relabel["targetLabel"] == "job" and relabel.get("action", "replace") == "replace"
+        jobs[container_of[target]] = relabel["replacement"]
+    assert jobs == {SIDECAR_CONTAINER: "kvguard", VLLM_CONTAINER: "vllm"}
 
 
 def test_network_policy_example_guards_the_metrics_port_of_these_pods() -> None:

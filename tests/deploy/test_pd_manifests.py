@@ -44,11 +44,16 @@ def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def test_the_overlay_uses_the_base_and_copies_no_manifest() -> None:
-    """Every kustomization under pd/ names the base (or a component) as a directory; no
-    Kubernetes object file lives under pd/."""
+    """Every kustomization under pd/ names the base (or a component) as a directory; the
+    only Kubernetes object file under pd/ is the pair's NetworkPolicy, a kind the base does
+    not render."""
     files = sorted(PD.rglob("*.yaml"))
-    assert {p.name for p in files} == {"kustomization.yaml"}, files
-    bases = {r for p in files for r in (load_documents(p)[0].get("resources") or [])}
+    assert {p.relative_to(PD).as_posix() for p in files if p.name != "kustomization.yaml"} \
+        == {"networkpolicy.yaml"}, files
+    assert [d["kind"] for d in load_documents(PD / "networkpolicy.yaml")] == ["NetworkPolicy"]
+    assert "NetworkPolicy" not in {d["kind"] for d in kustomize(BASE)}
+    kustomizations = [p for p in files if p.name == "kustomization.yaml"]
+    bases = {r for p in kustomizations for r in (load_documents(p)[0].get("resources") or [])}
     assert "../../base" in bases
 
 
@@ -57,14 +62,15 @@ def test_renders_two_roles_and_the_monitoring_once(rendered: list[dict[str, Any]
     assert kinds == sorted([
         ("Deployment", "vllm-kvguard-prefill"), ("Deployment", "vllm-kvguard-decode"),
         ("Service", "vllm-kvguard-prefill"), ("Service", "vllm-kvguard-decode"),
-        ("ServiceMonitor", "vllm-kvguard"), ("PrometheusRule", "kvguard")])
+        ("ServiceMonitor", "vllm-kvguard"), ("PrometheusRule", "kvguard"),
+        ("NetworkPolicy", "vllm-kvguard-pd")])
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_every_rendered_plain_object_validates_strictly(rendered: list[dict[str, Any]],
                                                         version: str) -> None:
     plain = [d for d in rendered if d["kind"] in PLAIN_KINDS]
-    assert len(plain) == 4
+    assert len(plain) == 5
     for doc in plain:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -98,7 +104,8 @@ def test_each_role_is_the_base_pod_plus_nixl_and_its_kv_role(
         rendered: list[dict[str, Any]], role: str) -> None:
     """The role's Deployment equals the base's but for its name, its component label
     (selector and template), the --kv-transfer-config argument, the NIXL side channel's
-    env and container port."""
+    env and container port, UCX's env (vLLM's NixlConnector guide: UCX_TLS,
+    UCX_NET_DEVICES) and the vllm container's IPC_LOCK (RDMA pins the KV cache)."""
     dep = copy.deepcopy(_one(rendered, "Deployment", f"vllm-kvguard-{role}"))
     pod = dep["spec"]["template"]
     vllm = container(pod["spec"], "vllm")
@@ -113,9 +120,15 @@ def test_each_role_is_the_base_pod_plus_nixl_and_its_kv_role(
     assert "KVGUARD_ENGINE_NAME" not in env  # the fleet-unique default: pod name + -dp<rank>
     assert {"name": "nixl-side", "containerPort": NIXL_PORT, "protocol": "TCP"} in vllm["ports"]
     assert container(pod["spec"], "kvguard")  # its own sidecar
+    assert env["UCX_TLS"]["value"] and env["UCX_NET_DEVICES"]["value"]
+    caps = vllm["securityContext"]["capabilities"]
+    assert caps == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert "add" not in container(pod["spec"], "kvguard")["securityContext"]["capabilities"]
     # Undo exactly the overlay's changes: what is left is the base's Deployment.
+    del caps["add"]
     vllm["args"] = [a for a in vllm["args"] if not a.startswith("--kv-transfer-config=")]
-    vllm["env"] = [e for e in vllm["env"] if not e["name"].startswith("VLLM_NIXL_")]
+    vllm["env"] = [e for e in vllm["env"]
+                   if not e["name"].startswith(("VLLM_NIXL_", "UCX_"))]
     vllm["ports"] = [p for p in vllm["ports"] if p["name"] != "nixl-side"]
     base = _base("Deployment")
     for labels in (dep["metadata"]["labels"], pod["metadata"]["labels"],
@@ -156,3 +169,65 @@ def test_the_decode_side_reaches_the_prefill_side_channel_on_the_pod_ip(
         env = {e["name"]: e for e in vllm["env"]}
         port = int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"])
         assert port in {p["containerPort"] for p in vllm["ports"]}
+
+
+def _selected(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions with In) against a pod's labels."""
+    if not _selects(selector.get("matchLabels", {}), labels):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def _admits(policy: dict[str, Any], source: dict[str, str] | None, port: int,
+            named: dict[str, int]) -> bool:
+    """Whether an ingress rule admits TCP ``port`` from a pod with labels ``source`` in
+    the policy's namespace (None: a client outside it, e.g. Prometheus's namespace)."""
+    for rule in policy["spec"]["ingress"]:
+        peers = rule.get("from")
+        if peers is not None and not any(
+                "podSelector" in p and source is not None and _selected(p["podSelector"], source)
+                for p in peers):
+            continue
+        for p in rule["ports"]:
+            assert p.get("protocol", "TCP") == "TCP"
+            low = named[p["port"]] if isinstance(p["port"], str) else p["port"]
+            if low <= port <= p.get("endPort", low):
+                return True
+    return False
+
+
+def test_the_pairs_network_policy_admits_nixl_and_ucx_between_prefill_and_decode_only(
+        rendered: list[dict[str, Any]]) -> None:
+    """NIXL's side channel and UCX's TCP data ports are open between the pair's pods and
+    closed to any other pod; vLLM's API stays open; the sidecar's metrics only to the
+    pair and to Prometheus's namespace."""
+    policy = _one(rendered, "NetworkPolicy", "vllm-kvguard-pd")
+    pods = {r: _one(rendered, "Deployment", f"vllm-kvguard-{r}")["spec"]["template"]
+            for r in ROLES}
+    for pod in pods.values():
+        assert _selected(policy["spec"]["podSelector"], pod["metadata"]["labels"])
+    named = {p["name"]: p["containerPort"] for pod in pods.values()
+             for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert named["nixl-side"] == NIXL_PORT
+    decode = pods["decode"]["metadata"]["labels"]
+    prefill = pods["prefill"]["metadata"]["labels"]
+    stranger = {"app.kubernetes.io/name": "web"}
+    same_app_other_instance = {**decode, "app.kubernetes.io/instance": "another"}
+    ucx_port = 41234
+    for source in (decode, prefill):
+        assert _admits(policy, source, NIXL_PORT, named)
+        assert _admits(policy, source, ucx_port, named)
+        assert _admits(policy, source, named["kvguard-metrics"], named)
+    for source in (stranger, same_app_other_instance, None):
+        assert not _admits(policy, source, NIXL_PORT, named)
+        assert not _admits(policy, source, ucx_port, named)
+        assert _admits(policy, source, named["http"], named)
+    assert not _admits(policy, stranger, named["kvguard-metrics"], named)
+    (metrics_rule,) = [r for r in policy["spec"]["ingress"]
+                       if {p["port"] for p in r["ports"]} == {"kvguard-metrics"}]
+    assert {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}} in metrics_rule["from"]

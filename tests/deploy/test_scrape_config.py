@@ -60,9 +60,10 @@ def _job(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _pod_target(address: str, *, pod: str, container: str, port_name: str,
-                phase: str = "Running") -> dict[str, Any]:
+                phase: str = "Running", app: str = "vllm") -> dict[str, Any]:
     """A static target with the meta labels Kubernetes pod discovery would attach."""
     return {"targets": [address], "labels": {
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name": app,
         "__meta_kubernetes_namespace": NAMESPACE,
         "__meta_kubernetes_pod_name": pod,
         "__meta_kubernetes_pod_container_name": container,
@@ -89,9 +90,19 @@ def _offline_config(sidecar: str, elsewhere: str, interval: str) -> dict[str, An
         _pod_target(sidecar, pod="vllm-kvguard-7d9f8-pendng", container=SIDECAR_CONTAINER,
                     port_name=METRICS_PORT_NAME, phase="Pending"),
     ]
-    # The static example points at a sidecar on Prometheus's own host.
+    # vLLM's own job: the same pod's targets; only the vllm container's http port stays.
+    vllm = _job(config, "vllm")
+    del vllm["kubernetes_sd_configs"]
+    vllm["static_configs"] = [
+        _pod_target(elsewhere, pod=POD, container="vllm", port_name="http"),
+        _pod_target(sidecar, pod=POD, container=SIDECAR_CONTAINER, port_name=METRICS_PORT_NAME),
+        # another application's http port: not vLLM's
+        _pod_target(elsewhere, pod="web-5c4d", container="web", port_name="http", app="web"),
+    ]
+    # The static examples point at a sidecar (and a vLLM) on Prometheus's own host.
     static = _job(config, "kvguard-static")
     static["static_configs"][0]["targets"] = [sidecar]
+    _job(config, "vllm-static")["static_configs"][0]["targets"] = [elsewhere]
     return config
 
 
@@ -243,3 +254,15 @@ def test_prometheus_scrapes_the_sidecar_with_namespace_and_pod_labels(
     assert sorted((d["__meta_kubernetes_pod_container_port_name"],
                    d["__meta_kubernetes_pod_phase"]) for d in dropped) == \
         [("http", "Running"), (METRICS_PORT_NAME, "Pending")]
+    # vLLM's own /metrics: one target, the vllm container's http port, labelled with the
+    # same namespace and pod as the sidecar's target (the labels kvguard's series join on).
+    active = {t["labels"]["job"]: t["labels"] for t in targets["activeTargets"]}
+    assert [t["labels"]["job"] for t in targets["activeTargets"]].count("vllm") == 1
+    assert (active["vllm"]["namespace"], active["vllm"]["pod"], active["vllm"]["container"]) \
+        == (k8s["namespace"], k8s["pod"], "vllm")
+    assert (active["vllm-static"]["namespace"], active["vllm-static"]["pod"]) == \
+        (static["namespace"], static["pod"])
+    vllm_dropped = [t["discoveredLabels"] for t in targets["droppedTargets"]
+                    if t["discoveredLabels"].get("job") == "vllm"]
+    assert sorted(d["__meta_kubernetes_pod_container_name"] for d in vllm_dropped) == \
+        ["kvguard", "web"]

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "prometheus" / "kvguard-alerts.yaml"
 RULE_TESTS = REPO / "deploy" / "prometheus" / "kvguard-alerts.test.yaml"
 DASHBOARD = REPO / "dashboards" / "kvguard.json"
+SCRAPE_CONFIG = REPO / "deploy" / "prometheus" / "scrape-config.yaml"
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_request_events_total": _m("counter", *ENGINE, "event"),
     "kvguard_hook_errors_total": _m("counter", *ENGINE),
     "kvguard_engine_up": _m("gauge", *ENGINE),
+    "kvguard_engine_start_timestamp_seconds": _m("gauge", *ENGINE),
     "kvguard_leak_trend": _m("gauge", *ENGINE),
     "kvguard_allocator_bytes": _m(
         "gauge", *ENGINE, "kind", reserved=True,

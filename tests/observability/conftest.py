@@ -37,7 +37,15 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from _obs_contract import RULES, PrometheusServer, prometheus_binary
+from _fleet import (
+    FLEET_NAMESPACE,
+    PLUGINS_TYPO,
+    SELF_RULE_FOR,
+    UNWATCHED_POD,
+    WATCHED_POD,
+    WatchedFleet,
+)
+from _obs_contract import RULES, SCRAPE_CONFIG, PrometheusServer, prometheus_binary
 from _observed import (
     DATA_PARALLEL_SIZE,
     ENGINE_NAME,
@@ -407,3 +415,104 @@ def pd_replay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdReplay]:
             _until_scraped(prom, switched + 1.0, 4)
             time.sleep(PD_SCRAPES_PER_PHASE_S)
         yield PdReplay(prometheus=prom, sidecar_metrics_urls=sidecars, played=tuple(names))
+
+
+# ------------------------------------------------------------- self-monitoring
+
+def _self_rule_file(work: Path) -> Path:
+    """The shipped kvguard-self group, expressions, labels and annotations verbatim, with
+    each alert's ``for`` shortened to SELF_RULE_FOR: Prometheus cannot be made to wait 5
+    minutes faster, and promtool's unit tests check the shipped ``for`` durations."""
+    doc = yaml.safe_load(RULES.read_text())
+    (group,) = [g for g in doc["groups"] if g["name"] == "kvguard-self"]
+    for rule in group["rules"]:
+        if "alert" in rule:
+            assert rule["for"] in ("5m", "15m"), rule
+            rule["for"] = SELF_RULE_FOR
+    path = work / "kvguard-self.yaml"
+    path.write_text(yaml.safe_dump({"groups": [group]}, sort_keys=False))
+    return path
+
+
+def _pod_target(netloc: str, pod: str, container: str, port_name: str) -> dict[str, Any]:
+    """A static target with the meta labels Kubernetes pod discovery gives a pod's port."""
+    return {"targets": [netloc], "labels": {
+        "__meta_kubernetes_namespace": FLEET_NAMESPACE,
+        "__meta_kubernetes_pod_name": pod,
+        "__meta_kubernetes_pod_container_name": container,
+        "__meta_kubernetes_pod_container_port_name": port_name,
+        "__meta_kubernetes_pod_phase": "Running",
+        "__meta_kubernetes_pod_node_name": "node-1",
+        "__meta_kubernetes_pod_label_app_kubernetes_io_name": "vllm",
+        "__meta_kubernetes_pod_label_app_kubernetes_io_instance": pod,
+    }}
+
+
+def _fleet_config(targets: dict[str, list[dict[str, Any]]], rule_file: Path) -> dict[str, Any]:
+    """deploy/prometheus/scrape-config.yaml with pod discovery replaced by ``targets`` per
+    job (Debian's Prometheus has no Kubernetes discovery) and the static examples left out."""
+    shipped = yaml.safe_load(SCRAPE_CONFIG.read_text())
+    jobs = []
+    for job in shipped["scrape_configs"]:
+        if "kubernetes_sd_configs" not in job:
+            continue
+        job = dict(job)
+        del job["kubernetes_sd_configs"]
+        job["static_configs"] = targets[job["job_name"]]
+        jobs.append(job)
+    assert {j["job_name"] for j in jobs} == set(targets), jobs
+    return {"global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                       "evaluation_interval": "1s"},
+            "rule_files": [str(rule_file)], "scrape_configs": jobs}
+
+
+@pytest.fixture(scope="module")
+def watched_fleet(dp_server: DataParallelServer, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[WatchedFleet]:
+    root = tmp_path_factory.mktemp("watched-fleet")
+    port = free_loopback_port()
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "kvguard.cli.main", "sidecar", "--host", "127.0.0.1",
+         "--port", str(port), "--run-dir", str(dp_server.run_dir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    unwatched_run_dir = root / "plain-run"
+    unwatched_run_dir.mkdir()
+    spec = EngineSpec(model_dir=make_tiny_model(root / "model"))
+    env = {"VLLM_PLUGINS": PLUGINS_TYPO, "KVGUARD_RUN_DIR": str(unwatched_run_dir)}
+    try:
+        with ServerProcess(spec, log_path=root / "plain-server.log", env=env,
+                           health_timeout_seconds=SERVER_HEALTH_TIMEOUT_S) as plain:
+            sidecar_netloc = f"127.0.0.1:{port}"
+            watched_vllm = urllib.parse.urlsplit(dp_server.base_url).netloc
+            plain_vllm = urllib.parse.urlsplit(plain.base_url).netloc
+            targets = {
+                "kvguard": [_pod_target(sidecar_netloc, WATCHED_POD, "kvguard",
+                                        "kvguard-metrics")],
+                "vllm": [_pod_target(watched_vllm, WATCHED_POD, "vllm", "http"),
+                         _pod_target(plain_vllm, UNWATCHED_POD, "vllm", "http")],
+            }
+            work = root / "prometheus"
+            work.mkdir()
+            config = _fleet_config(targets, _self_rule_file(work))
+            with _prometheus(config, work) as prom:
+                # both vLLM servers and the sidecar scraped, the sidecar serving both
+                # engines of the data-parallel server
+                expr = ('count(up{job="vllm"} == 1) + count(up{job="kvguard"} == 1)'
+                        ' + count(kvguard_engine_up == 1)')
+                deadline = time.monotonic() + PROMETHEUS_READY_TIMEOUT_S + 15
+                while True:
+                    result = prom.get("/api/v1/query", query=expr)["data"]["result"]
+                    if result and float(result[0]["value"][1]) == 5:
+                        break
+                    if time.monotonic() > deadline:
+                        pytest.fail(f"not every target scraped: {prom.get('/api/v1/targets')}"
+                                    f"\n{prom.log_tail()}")
+                    time.sleep(0.25)
+                yield WatchedFleet(prometheus=prom, sidecar=sidecar,
+                                   sidecar_netloc=sidecar_netloc,
+                                   watched_vllm_url=dp_server.base_url,
+                                   unwatched_vllm_url=plain.base_url,
+                                   unwatched_run_dir=unwatched_run_dir)
+    finally:
+        if sidecar.poll() is None:
+            _stop(sidecar)

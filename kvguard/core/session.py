@@ -40,18 +40,18 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
+from typing import Any
 
 from kvguard.config import KvguardConfig
 from kvguard.core.checkpoint import build_report, skipped_report
-from kvguard.core.classify import HoldRule, hold_legitimate_until
 from kvguard.core.cost import CostMeter
-from kvguard.core.drain_model import DrainEstimator, DrainPrediction
+from kvguard.core.drain_check import DrainCheck
+from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
 from kvguard.core.hook_errors import HookErrors as HookErrors
 from kvguard.core.ledger import OwnershipLedger
-from kvguard.core.monitor import MOMENTS, Monitor, StateSection, overrides
 from kvguard.core.monitor import DrainBlocker as DrainBlocker
+from kvguard.core.monitor import Monitor, MonitorHost, StateSection
 from kvguard.core.monitors.attribution import MemoryAttribution
 from kvguard.core.monitors.attribution import MemoryAttributor as MemoryAttributor
 from kvguard.core.monitors.drain_forecast import DrainForecast
@@ -64,53 +64,23 @@ from kvguard.core.monitors.tracing import RequestTraces as RequestTraces
 from kvguard.core.monitors.tracing import RequestTracing
 from kvguard.core.monitors.transfers import TRANSFER_POLL_SECONDS as TRANSFER_POLL_SECONDS
 from kvguard.core.monitors.transfers import TransferMonitor
-from kvguard.core.offload import OffloadAudit, OffloadSource, OffloadState
-from kvguard.core.online import OnlineAuditor
+from kvguard.core.offload import OffloadSource, OffloadState
 from kvguard.core.pacing import CheckpointPacer
 from kvguard.core.reconciler import ReconcileOptions, reconcile
 from kvguard.core.report import CheckpointReport, PoolReport
+from kvguard.core.session_io import CheckpointRequests as CheckpointRequests
+from kvguard.core.session_io import IdleWaker as IdleWaker
+from kvguard.core.session_io import StateSink as StateSink
+from kvguard.core.session_monitors import MonitorSlots
 from kvguard.core.state import EngineState, OnlineState
-from kvguard.core.transfers import TransferEvent, TransferLog, TransferSource
+from kvguard.core.transfers import TransferEvent, TransferSource
 from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
-from kvguard.kv_events.snapshot import KvEventsSnapshot
 from kvguard.version import __version__
 
 log = logging.getLogger("kvguard")
 
 
-class StateSink(Protocol):
-    """Where the published state goes (a state file written off the engine thread)."""
-
-    @property
-    def drops(self) -> int:
-        """States replaced before they were written (the reader was slower)."""
-
-    def offer(self, state: EngineState) -> None:
-        """Hand over the latest state; never blocks the engine."""
-
-    def close(self) -> None: ...
-
-
-class CheckpointRequests(Protocol):
-    """Asks from outside (the sidecar) for a checkpoint at the next drained moment."""
-
-    def poll(self) -> bool:
-        """True once per new request; cheap (called at most once per publish interval)."""
-
-
-class IdleWaker(Protocol):
-    """Runs the session's :meth:`GuardSession.on_idle` on the engine's own thread, once the
-    engine is idle, at the earliest after a delay. Never blocks the caller, never runs
-    ``on_idle`` while the engine steps (that would race the scheduler)."""
-
-    def wake_after(self, seconds: float) -> None:
-        """Run ``on_idle`` when the engine is idle, ``seconds`` from now at the earliest;
-        replaces an earlier wake that is later than this one."""
-
-    def close(self) -> None: ...
-
-
-class GuardSession:
+class GuardSession(MonitorSlots):
     """kvguard's per-engine state. Called only from the engine's scheduler thread."""
 
     def __init__(self, adapter: EngineAdapter, config: KvguardConfig, *, engine: str,
@@ -156,8 +126,7 @@ class GuardSession:
         """Set exactly when the last drain check found no live work and only a legitimate
         hold (a delayed or deferred free) in the way: when that hold's bound passes (Unix
         s). Read at admission (one attribute per request)."""
-        self._deferred_seen_at: float | None = None
-        """When deferred frees were first seen pending with nothing in flight (Unix s)."""
+        self._drain_check = DrainCheck()
         self._next_publish = 0.0
         """When ``on_step_end`` next looks at publishing (monotonic s)."""
         self._published_at = 0.0
@@ -185,89 +154,8 @@ class GuardSession:
         self.attributor = attributor
         """Memory attribution at drained checkpoints (None: off)."""
 
-    # ------------------------------------------------------------- monitors
-    @property
-    def monitors(self) -> list[Monitor]:
-        """The features on now, in the order their moments run."""
-        slots: list[Monitor | None] = [
-            self.drain_forecast, self._transfers, self._offload, self._idle,
-            self._attribution, self._online, self._kv_events, self._tracing]
-        return [m for m in slots if m is not None] + self._extra
-
-    def add_monitor(self, monitor: Monitor) -> None:
-        """Attach a feature (:mod:`kvguard.core.monitor`); its moments run after the
-        built-in features'."""
-        self._extra.append(monitor)
-        self._rebuild()
-
-    def _rebuild(self) -> None:
-        """Per moment, the bound methods of the monitors that act at it (so that a moment
-        no monitor uses costs a loop over an empty list)."""
-        ms = self.monitors
-        self._moments = {moment: [getattr(m, moment) for m in ms if overrides(m, moment)]
-                         for moment in MOMENTS}
-        self._step_end = self._moments["on_step_end"]
-        self._after_drain_check = self._moments["after_drain_check"]
-
-    # Features the engine integration turns on after construction.
-    @property
-    def attributor(self) -> MemoryAttributor | None:
-        return self._attribution.attributor if self._attribution is not None else None
-
-    @attributor.setter
-    def attributor(self, attributor: MemoryAttributor | None) -> None:
-        self._attribution = (MemoryAttribution(self, attributor)
-                             if attributor is not None else None)
-        self._rebuild()
-
-    @property
-    def kv_events(self) -> KvEventsSource | None:
-        """The KV-event mirror check's engine side (None: the engine publishes no KV events)."""
-        return self._kv_events.source if self._kv_events is not None else None
-
-    @kv_events.setter
-    def kv_events(self, source: KvEventsSource | None) -> None:
-        self._kv_events = KvEventsMirror(self, source) if source is not None else None
-        self._rebuild()
-
-    @property
-    def kv_events_snapshot(self) -> KvEventsSnapshot | None:
-        """Read at the last drained checkpoint."""
-        return self._kv_events.snapshot if self._kv_events is not None else None
-
-    @property
-    def tracer(self) -> RequestTraces | None:
-        """Findings into the requests' traces (set by the engine integration when an OTLP
-        endpoint is configured; None: off, and no call is made)."""
-        return self._tracing.tracer if self._tracing is not None else None
-
-    @tracer.setter
-    def tracer(self, tracer: RequestTraces | None) -> None:
-        if self._tracing is not None:
-            self._tracing.detach()
-        self._tracing = (RequestTracing(self, tracer, self.transfers)
-                         if tracer is not None else None)
-        self._rebuild()
-
-    @property
-    def transfers(self) -> TransferLog | None:
-        """The P/D transfer log (None: the engine has no KV connector)."""
-        return self._transfers.log if self._transfers is not None else None
-
-    @property
-    def offload(self) -> OffloadAudit | None:
-        """The offload job audit (None: the engine has no offloading connector)."""
-        return self._offload.audit if self._offload is not None else None
-
-    @property
-    def online(self) -> OnlineAuditor | None:
-        """The online audit (None: ``KVGUARD_ONLINE_AUDIT`` off)."""
-        return self._online.auditor if self._online is not None else None
-
-    @property
-    def drain(self) -> DrainEstimator:
-        """Arrival and completion rates for the drain prediction (fed by the events)."""
-        return self.drain_forecast.estimator
+    def _host(self) -> MonitorHost:
+        return self  # mypy checks here that the session offers what monitors are promised
 
     # ------------------------------------------------------------ settings
     @property
@@ -417,45 +305,14 @@ class GuardSession:
         The answer's ``until`` says when such a hold stops blocking: an idle engine is
         woken then (:meth:`on_idle`).
         """
-        act = self.adapter.activity()
-        if act.running or act.waiting:
-            return DrainBlocker(f"{act.running} running, {act.waiting} waiting", True)
-        if act.batches_in_flight:
-            # No live work, but a scheduled batch is still running (async scheduling): it
-            # ends at the next step end, which checks again (drain_pending stays set).
-            self._deferred_seen_at = None
-            return DrainBlocker(f"{act.batches_in_flight} scheduled batch(es) still in "
-                                "flight", False)
-        if act.deferred_frees:
-            seen = self._deferred_seen_at if self._deferred_seen_at is not None else now
-            self._deferred_seen_at = seen
-            until = seen + self.delayed_free_bound
-            if now < until:
-                return DrainBlocker(f"{act.deferred_frees} deferred frees pending "
-                                    f"(in-flight step; {now - seen:.1f} s of the "
-                                    f"{self.delayed_free_bound:.0f} s bound)", False, until)
-        else:
-            self._deferred_seen_at = None
-        if act.unfinished is not None:
-            return DrainBlocker(f"request {act.unfinished} is not finished", True)
-        rule = HoldRule(now=now, bound_seconds=self.delayed_free_bound)
-        for rid in act.finished_held:
-            rec = self.ledger.record(RequestId(rid))
-            ends = hold_legitimate_until(rec, rule) if rec is not None else None
-            if rec is not None and ends is not None and now < ends:
-                started = rec.delayed_free_started_at or now
-                if rec.hold_deadline is not None:
-                    return DrainBlocker(
-                        f"request {rid} waits for its KV transfer ({now - started:.1f} s, "
-                        f"its hold ends in {rec.hold_deadline - now:.1f} s: "
-                        f"{rec.hold_source})", False, ends)
-                return DrainBlocker(
-                    f"request {rid} waits for its KV transfer ({now - started:.1f} s of "
-                    f"the {self.delayed_free_bound:.0f} s bound)", False, ends)
+        blocked = self._drain_check.blocker(self.adapter.activity(), self.ledger, now,
+                                            self.delayed_free_bound)
+        if blocked is not None:
+            return blocked
         for blocker in self._moments["drain_blocker"]:
-            blocked: DrainBlocker | None = blocker(now)
-            if blocked is not None:
-                return blocked
+            found: DrainBlocker | None = blocker(now)
+            if found is not None:
+                return found
         return None
 
     def maybe_checkpoint(self) -> CheckpointReport | None:

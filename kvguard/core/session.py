@@ -19,7 +19,7 @@ Path of one finding: a hook calls ``on_finished`` and ``on_freed`` for an aborte
 request whose blocks the engine never released; at the next drained moment
 ``maybe_checkpoint`` reads the pool through the adapter, ``reconcile`` charges the
 blocks to that request (cause ``finished_request``, path ``abort``), ``build_report``
-makes the ``CheckpointReport`` and ``_record`` keeps it in the history and offers the
+makes the ``CheckpointReport`` and ``record`` keeps it in the history and offers the
 ``EngineState`` to the sink (the state file a sidecar turns into
 ``kvguard_leaked_blocks`` and ``/v1/report``).
 

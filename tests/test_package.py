@@ -130,3 +130,45 @@ def test_no_module_in_the_package_is_over_600_lines() -> None:
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "kvguard").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"split these by job (lines): {long}"
+
+
+def _kvguard_imports() -> dict[str, set[str]]:
+    """Module -> the kvguard modules it imports anywhere in its body (a function-level
+    import is a dependency too: it only defers the circle to the first call)."""
+    import ast
+
+    mods = {}
+    for p in (ROOT / "kvguard").rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = p
+    graph: dict[str, set[str]] = {}
+    for name, p in mods.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvguard"):
+                base = node.module or ""
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                         for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("kvguard")}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_no_two_kvguard_modules_import_each_other() -> None:
+    graph = _kvguard_imports()
+    circles = []
+    for a, deps in graph.items():
+        for b in deps:
+            seen, todo = {b}, [b]
+            while todo:  # does b lead back to a?
+                for c in graph[todo.pop()]:
+                    if c == a:
+                        circles.append(f"{a} <-> {b}")
+                        todo = []
+                        break
+                    if c not in seen:
+                        seen.add(c)
+                        todo.append(c)
+    assert not circles, "shared pieces belong in a module both import: " + ", ".join(
+        sorted(set(circles)))

@@ -40,6 +40,32 @@ Writing a monitor (e.g. a verdict computed between steps):
    :meth:`~Monitor.on_drained_report` (``report.model_copy(update=...)``: reports are
    frozen).
 5. Attach it: ``session.add_monitor(monitor)``.
+
+A sketch (a verdict between steps on requests that wait; zero cost while none does)::
+
+    class WaitWatch(BaseMonitor):
+        name = "wait_watch"
+
+        def __init__(self, host: MonitorHost) -> None:
+            self.host = host
+            self.waiting_since: float | None = None
+
+        def after_drain_check(self, step_seconds: float | None) -> None:
+            if step_seconds is None:
+                return  # an abort path, not a step
+            act = self.host.adapter.activity()
+            if not act.waiting or act.running:
+                self.waiting_since = None
+            elif self.waiting_since is None:
+                self.waiting_since = time.time()
+
+        def state_section(self) -> StateSection:
+            return {}  # e.g. {"wait_watch": WaitWatchState(...)} with its EngineState field
+
+A verdict that deserves a report of its own makes one with ``host.take_id()`` and hands
+it to ``host.record(report)`` (as the online audit does); a part of every drained report
+goes in :meth:`Monitor.on_drained_report`. The ledger (``host.ledger``) names each
+finished request still holding blocks and each hold's deadline: read it, never write it.
 """
 
 from __future__ import annotations

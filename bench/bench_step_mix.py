@@ -192,11 +192,16 @@ def self_time(h: Any, hooks: list[tuple[Any, str, Any]], rounds: int) -> dict[st
         setattr(o, n, bucketed(f, len(names) - 1))
         restore.append((o, n, f))
     g = h.guard
-    for n in ("claim", "checkpoint_now", "publish", "_online_step", "on_admitted",
-              "on_finished", "drain_blocker"):
+    for n in ("claim", "checkpoint_now", "publish", "on_admitted", "on_finished",
+              "drain_blocker"):
         names.append(f"session {n}")
         setattr(g, n, bucketed(getattr(g, n), len(names) - 1))
         restore.append((g, n, None))
+    online = g._online  # the online audit's monitor: its work on the steps that earned some
+    if online is not None:
+        names.append("session _online_step")  # the row's name in results before the split
+        online._step = bucketed(online._step, len(names) - 1)
+        restore.append((online, "_step", None))
     sched = h.scheduler
     steps = [0]
     schedule, update = sched.schedule, sched.update_from_output

@@ -52,6 +52,10 @@ def test_requires_python_admits_3_12_and_the_tools_target_its_minimum() -> None:
     assert PYPROJECT["tool"]["ruff"]["target-version"] == "py" + pythons[0].replace(".", "")
 
 
+SCRIPTS = ["scripts/gpu_check.py"]
+"""Python scripts outside the package, checked like it (mypy with the oldest Python's run,
+ruff): the GPU check runs only where a GPU is, so nothing else would notice it breaking."""
+
 BENCH_PATH = ["bench", "tests/core", "tests/sidecar", "tests/scheduler", "tests/pd"]
 """Where the benchmarks' own modules (``harness``) and the test helpers they use live."""
 
@@ -78,13 +82,13 @@ def newer_python_config(path: Path) -> Path:
 def mypy_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.Popen[str]]:
     """One ``mypy --strict`` per supported Python, all started at once. The oldest
     Python's run follows vLLM's and torch's sources (about 55 s from a cold cache) and
-    also checks ``bench/``: a benchmark calling what no longer exists
+    also checks ``bench/`` and :data:`SCRIPTS`: a benchmark calling what no longer exists
     (``bench_cost_meter.py`` did, unnoticed for days) fails here, not at the next
     ``./scripts/bench``. The newer Pythons' runs use :func:`newer_python_config`."""
     pythons = supported_pythons()
     newer = newer_python_config(tmp_path_factory.mktemp("mypy") / "mypy.ini")
     oldest = ["kvguard", *sorted(str(p.relative_to(ROOT))
-                                for p in (ROOT / "bench").glob("*.py"))]
+                                for p in (ROOT / "bench").glob("*.py")), *SCRIPTS]
     env = {**os.environ, "MYPYPATH": os.pathsep.join(BENCH_PATH)}
     return {python: subprocess.Popen(
                 [sys.executable, "-m", "mypy", "--python-version", python,
@@ -101,7 +105,8 @@ def test_mypy_strict_is_clean(python: str, mypy_runs: dict[str, subprocess.Popen
 
 
 def test_ruff_is_clean() -> None:
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "kvguard", "tests", "bench"],
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "kvguard", "tests", "bench",
+                        *SCRIPTS],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -115,3 +120,55 @@ def test_a_bad_engine_name_is_refused_with_what_is_allowed() -> None:
     with pytest.raises(ConfigError, match=r"KVGUARD_ENGINE_NAME.*A-Z a-z 0-9"):
         KvguardConfig.from_env({"KVGUARD_ENGINE_NAME": "dp0/../../etc"})
     assert KvguardConfig.from_env({"KVGUARD_ENGINE_NAME": "pod-7.dp0"}).engine_name == "pod-7.dp0"
+
+
+MAX_MODULE_LINES = 600
+"""A module longer than this is doing more than one job (issue 53: the session was 930)."""
+
+
+def test_no_module_in_the_package_is_over_600_lines() -> None:
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "kvguard").rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these by job (lines): {long}"
+
+
+def _kvguard_imports() -> dict[str, set[str]]:
+    """Module -> the kvguard modules it imports anywhere in its body (a function-level
+    import is a dependency too: it only defers the circle to the first call)."""
+    import ast
+
+    mods = {}
+    for p in (ROOT / "kvguard").rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = p
+    graph: dict[str, set[str]] = {}
+    for name, p in mods.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvguard"):
+                base = node.module or ""
+                deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base
+                         for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("kvguard")}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def test_no_two_kvguard_modules_import_each_other() -> None:
+    graph = _kvguard_imports()
+    circles = []
+    for a, deps in graph.items():
+        for b in deps:
+            seen, todo = {b}, [b]
+            while todo:  # does b lead back to a?
+                for c in graph[todo.pop()]:
+                    if c == a:
+                        circles.append(f"{a} <-> {b}")
+                        todo = []
+                        break
+                    if c not in seen:
+                        seen.add(c)
+                        todo.append(c)
+    assert not circles, "shared pieces belong in a module both import: " + ", ".join(
+        sorted(set(circles)))

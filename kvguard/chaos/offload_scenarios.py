@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvguard.chaos.expect import NotExercised
 from kvguard.chaos.harness import EngineHarness, prompt
 from kvguard.testing.offload_spec import offload_transfer_config
 from kvguard.testing.offload_worker import TorchCpuOffloadingWorker, live_workers
@@ -47,17 +48,11 @@ TIER_OF_3_CHUNKS = 3 * 16384
 """A tier of 3 chunks for the tiny model (2 layers x 8,192 B per block, bf16)."""
 
 
-def _not_exercised(msg: str) -> AssertionError:
-    from kvguard.chaos.scenarios import NotExercised
-
-    return NotExercised(msg)
-
-
 def worker_of(h: EngineHarness) -> TorchCpuOffloadingWorker:
     """This engine's offload worker (in-process engines: the newest in this process)."""
     workers = live_workers()
     if not workers:
-        raise _not_exercised("no torch-CPU offload worker was built: is the engine running "
+        raise NotExercised("no torch-CPU offload worker was built: is the engine running "
                              "the OffloadingConnector with TorchCpuOffloadingSpec?")
     return workers[-1]
 
@@ -121,7 +116,7 @@ def drive_reload_after_eviction(h: EngineHarness) -> str:
     hits = h.vllm_metric("vllm:external_prefix_cache_hits") - hits0
     loaded = h.vllm_metric("vllm:kv_offload_load_bytes") - load0
     if stored <= 0 or hits <= 0 or loaded <= 0:
-        raise _not_exercised(f"vLLM stored {stored:g} B, then counted {hits:g} external "
+        raise NotExercised(f"vLLM stored {stored:g} B, then counted {hits:g} external "
                              f"prefix hits and {loaded:g} B loaded")
     differ = sum(1 for a, b in zip(computed, reloaded, strict=True) if not torch.equal(a, b))
     if differ:
@@ -143,7 +138,7 @@ def drive_abort_during_load(h: EngineHarness) -> str:
     h.step()
     status, held = _status(h, "loading"), h.blocks_of("loading")
     if status != "FINISHED_ABORTED" or held == 0:
-        raise _not_exercised(f"after the abort vLLM has the request {status} with {held} "
+        raise NotExercised(f"after the abort vLLM has the request {status} with {held} "
                              "blocks (expected FINISHED_ABORTED, holding its blocks)")
     h.drain_scheduler()
     _settle_jobs(h)
@@ -166,11 +161,11 @@ def drive_reset_with_stores_in_flight(h: EngineHarness) -> str:
     h.run_to_completion()
     in_flight = len(cs._jobs)
     if not in_flight:
-        raise _not_exercised("no store job was in flight at the reset")
+        raise NotExercised("no store job was in flight at the reset")
     if not h.engine.reset_prefix_cache(reset_connector=True):
-        raise _not_exercised("vLLM refused reset_prefix_cache")
+        raise NotExercised("vLLM refused reset_prefix_cache")
     if cs._jobs or cs.manager._num_allocated_chunks - len(cs.manager._free_list):
-        raise _not_exercised("the reset left jobs or tier chunks behind")
+        raise NotExercised("the reset left jobs or tier chunks behind")
     h.add(prompt(4901, PREFIX_TOKENS), max_tokens=4)
     h.run_to_completion()
     _settle_jobs(h)
@@ -191,7 +186,7 @@ def drive_preemption_with_stores(h: EngineHarness) -> str:
     stored = h.vllm_metric("vllm:kv_offload_store_bytes")
     fenced = worker_of(h).fenced_jobs - fenced0
     if n == 0 or stored <= 0 or fenced == 0:
-        raise _not_exercised(f"{n} preemptions, {stored:g} B stored, {fenced} store jobs "
+        raise NotExercised(f"{n} preemptions, {stored:g} B stored, {fenced} store jobs "
                              "fenced in flight")
     return f"{n} preemptions, {fenced} store jobs fenced in flight, {stored:g} B stored"
 
@@ -208,7 +203,7 @@ def drive_tier_full(h: EngineHarness) -> str:
     h.drain_scheduler()
     failures = h.vllm_metric("vllm:kv_offload_allocation_failure") - fail0
     if capacity >= FULL_BLOCKS or failures <= 0:
-        raise _not_exercised(f"a {capacity}-chunk tier, {failures:g} allocation failures")
+        raise NotExercised(f"a {capacity}-chunk tier, {failures:g} allocation failures")
     return f"{failures:g} allocation failures on a {capacity}-chunk tier"
 
 
@@ -229,7 +224,7 @@ def drive_load_lost(h: EngineHarness) -> str:
                  pause_seconds=0.005, max_seconds=h.guard.delayed_free_bound + 20)
     status = _status(h, "lost-load")
     if status != "FINISHED_ABORTED":
-        raise _not_exercised(f"vLLM has the request {status}, expected FINISHED_ABORTED")
+        raise NotExercised(f"vLLM has the request {status}, expected FINISHED_ABORTED")
     return f"lost-load holds {h.blocks_of('lost-load')} blocks as FINISHED_ABORTED"
 
 
@@ -253,7 +248,7 @@ def drive_store_lost(h: EngineHarness) -> str:
     if not (h.scheduler.has_requests() and cs.has_pending_push_work()
             and waiting == [h.internal_id("waits")] and rid_computed(h, "waits") == 0
             and h.blocks_of("waits") == 0 and pool_free == h.num_usable()):
-        raise _not_exercised(f"vLLM: pending push work {cs.has_pending_push_work()}, "
+        raise NotExercised(f"vLLM: pending push work {cs.has_pending_push_work()}, "
                              f"waiting {waiting}, {pool_free}/{h.num_usable()} blocks free")
     return (f"store job lost: engine never idle (has_pending_push_work), 'waits' queued "
             f"with 0 blocks, pool {pool_free}/{h.num_usable()} free")

@@ -13,40 +13,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvguard.chaos.expect import ExpectedLeak as ExpectedLeak
+from kvguard.chaos.expect import ExpectedOffload as ExpectedOffload
+from kvguard.chaos.expect import NotExercised as NotExercised
 from kvguard.chaos.faults import Fault
 from kvguard.chaos.harness import EngineHarness, prompt
 from kvguard.core.offload import JobKind, OffloadVerdict
 from kvguard.core.types import Evidence, LeakCause, LeakPath, Verdict
 
 HEALTHY = frozenset({Verdict.CLEAN, Verdict.SATURATED})
-
-
-class NotExercised(AssertionError):
-    """The engine did not take the path the scenario is about."""
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectedLeak:
-    cause: LeakCause
-    path: LeakPath | None
-    """None when the path is not knowable (a reference taken behind every hook)."""
-    client_ids: frozenset[str] = frozenset()
-    """Requests the report must name (empty: no request is knowable)."""
-    named_by_fault: bool = False
-    """The report must also name every request the fault fired on (chosen by vLLM's
-    scheduling at run time, e.g. whichever request was preempted first)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectedOffload:
-    """What kvguard's offload audit must say after the drive (its state's ``offload``)."""
-
-    verdict: OffloadVerdict
-    stuck_kind: JobKind | None = None
-    owner_ids: frozenset[str] = frozenset()
-    """Requests whose stuck jobs must be named."""
-    waiting_ids: frozenset[str] = frozenset()
-    """Requests that must be named as waiting behind them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,12 +45,12 @@ class Scenario:
     reproduces: str = ""
     """Which real report (design.md section 5) this scenario stands for."""
     offload: ExpectedOffload | None = None
+    """Scenarios on an offloading connector: what kvguard's offload audit must say."""
     never_drains: bool = False
     """The fault keeps the engine from ever draining again (with async scheduling there is
     always a batch in flight after it, so no drained checkpoint at all after the warm-up):
     the pool is scored on the latest drained report when there is one; without one, only
     on no report since the warm-up claiming a leak. The offload audit is scored as usual."""
-    """Scenarios on an offloading connector: what kvguard's offload audit must say."""
     may_be_unsupported: bool = False
     """If the engine cannot be built with this configuration, report ``unsupported`` with
     vLLM's own error instead of failing (e.g. offloading connectors on the CPU build)."""

@@ -119,13 +119,15 @@ def test_the_online_audit_spends_its_budget_ending_sweeps_and_reports_included()
     reqs = _workload(h)
     h.skip_free_on_abort(reqs[0])  # findings to confirm and report
     spent = [0.0]
-    inner = s._online_step
+    monitor = s._online
+    assert monitor is not None
+    inner = monitor._step
 
     def timed() -> None:
         t0 = time.thread_time()
         inner()
         spent[0] += time.thread_time() - t0
-    s._online_step = timed  # type: ignore[method-assign]
+    monitor._step = timed  # type: ignore[method-assign]
     steps = 5000
     # A garbage collection of the whole suite's heap inside one audit call is not audit
     # work, and cost this bound 1 run in 5 of tests/core with tests/scheduler before it.

@@ -133,6 +133,7 @@ RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)
 PD_METRICS = frozenset(n for n, m in CONTRACT.items() if m.pd)
 """Exported only by engines with a KV connector: the P/D replay's targets, not the
 data-parallel server's."""
+KV_EVENTS = frozenset(n for n, m in CONTRACT.items() if m.kv_events)
 """Exported only for engines that publish KV events (the observability targets do not)."""
 OFFLOAD = frozenset(n for n, m in CONTRACT.items() if m.offload)
 """Exported only by engines with an offloading KV connector (the observability targets have

@@ -1,0 +1,80 @@
+"""The version layer's table holds for the vLLM of this venv, read from vLLM's real classes.
+
+Runs under each scheduler-level venv (0.32, 0.33, 0.34): every row of
+``kvguard.vllm_plugin.versions.TOUCH_POINTS`` says what the touch point is in this release,
+and this test reads it back from vLLM itself (a class's methods, a dataclass's fields, a
+real scheduler's instance attributes and blocks), so the docs' table cannot drift from
+vLLM either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import vllm
+from _sched import Sched
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+
+from kvguard.vllm_plugin.versions import (
+    TOUCH_POINTS,
+    Presence,
+    TouchPoint,
+    pool_tag,
+    release_of,
+)
+
+CLASSES: dict[str, type] = {"Scheduler": Scheduler, "BlockPool": BlockPool,
+                            "KVCacheCoordinator": KVCacheCoordinator,
+                            "KVCacheBlock": KVCacheBlock, "ModelRunnerOutput": ModelRunnerOutput}
+
+
+def _changed(tp: TouchPoint, s: Sched) -> bool:
+    """Whether ``tp`` has the changed shape its note describes (vLLM 0.34's)."""
+    pool = s.pool
+    if tp.label == "BlockPool.free_blocks":
+        return "evict_first" in inspect.signature(BlockPool.free_blocks).parameters
+    if tp.label == "KVCacheBlock.pool":
+        return isinstance(pool.blocks[1].pool, weakref.ref) and pool.blocks[1].pool() is pool
+    if tp.label == "BlockPool.cached_block_hash_to_block":
+        return hasattr(pool.cached_block_hash_to_block, "_dup_ids")  # ids, not blocks
+    raise AssertionError(f"no check for a changed {tp.label}")
+
+
+def _presence(tp: TouchPoint, s: Sched) -> Presence:
+    cls = CLASSES[tp.owner]
+    if tp.kind == "method":
+        present = callable(getattr(cls, tp.name, None))
+    elif tp.kind == "dataclass field":
+        present = tp.name in {f.name for f in dataclasses.fields(cls)}
+    else:  # an instance attribute of the real scheduler's objects
+        obj: Any = {"Scheduler": s.scheduler, "BlockPool": s.pool}[tp.owner]
+        present = hasattr(obj, tp.name)
+    if not present:
+        return Presence.ABSENT
+    if Presence.CHANGED in tp.presence:  # a row that changed in some release: which shape?
+        return Presence.CHANGED if _changed(tp, s) else Presence.PRESENT
+    return Presence.PRESENT
+
+
+def test_every_touch_point_is_what_the_version_table_says_for_this_vllm(
+        sched: Callable[..., Sched]) -> None:
+    release = release_of(vllm.__version__)
+    assert release is not None, f"vLLM {vllm.__version__} is not in versions.RELEASES"
+    s = sched()
+    wrong = {tp.label: (tp.in_release(release).value, _presence(tp, s).value)
+             for tp in TOUCH_POINTS if _presence(tp, s) is not tp.in_release(release)}
+    assert wrong == {}, f"vLLM {vllm.__version__}: label -> (table, vLLM): {wrong}"
+
+
+def test_pool_tag_is_what_the_pools_own_blocks_hold(sched: Callable[..., Sched]) -> None:
+    s = sched()
+    tag = pool_tag(s.pool)
+    assert all(b.pool is tag for b in s.pool.blocks)

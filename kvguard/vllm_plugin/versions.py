@@ -56,6 +56,8 @@ class Feature(Enum):
     SLIDING_WINDOW = "sliding-window frees attributed"
     POOL_OWNERSHIP = "several pools told apart"
     KV_EVENTS_MIRROR = "KV-event mirror check"
+    NIXL_LEASES = "NIXL lease reports (worker half)"
+    OFFLOAD_AUDIT = "offload job audit"
     TEST_TOOLING = "none (test tooling only)"
 
 
@@ -82,6 +84,9 @@ class TouchPoint(NamedTuple):
     feature: Feature
     """What goes off when a vLLM lacks it."""
     note: str = ""
+    source: str = ""
+    """For a connector's attribute: the vLLM module (path under ``vllm/``) whose class
+    ``owner`` defines it; the test reads it there (the class needs NIXL or a GPU to build)."""
 
     @property
     def label(self) -> str:
@@ -93,6 +98,8 @@ class TouchPoint(NamedTuple):
 
 _P, _C, _A = Presence.PRESENT, Presence.CHANGED, Presence.ABSENT
 _ALL = (_P, _P, _P)
+_NIXL = "distributed/kv_transfer/kv_connector/v1/nixl/"
+_OFFLOAD = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 
 TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("BlockPool", "get_new_blocks", "method", _ALL, Feature.POOL_EVENTS),
@@ -122,6 +129,28 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
                "kvguard reads only its keys"),
     TouchPoint("ModelRunnerOutput", "req_id_to_index", "dataclass field", (_P, _P, _A),
                Feature.TEST_TOOLING, "`model_runner_output`"),
+    *(TouchPoint("KVConnectorOutput", name, "dataclass field", _ALL, Feature.TRANSFERS,
+                 source="v1/outputs.py")
+      for name in ("finished_sending", "finished_recving", "failed_recving",
+                   "kv_connector_worker_meta")),
+    TouchPoint("Request", "kv_transfer_params", "field", _ALL, Feature.TRANSFERS,
+               source="v1/request.py"),
+    TouchPoint("NixlBaseConnector", "connector_scheduler", "field", _ALL, Feature.TRANSFERS,
+               source=_NIXL + "connector.py"),
+    TouchPoint("NixlBaseConnector", "connector_worker", "field", _ALL, Feature.NIXL_LEASES,
+               source=_NIXL + "connector.py"),
+    TouchPoint("NixlBaseConnectorScheduler", "_reqs_need_send", "field", _ALL,
+               Feature.TRANSFERS, source=_NIXL + "base_scheduler.py"),
+    *(TouchPoint("NixlBaseConnectorWorker", name, kind, _ALL, Feature.NIXL_LEASES,
+                 source=_NIXL + "base_worker.py")
+      for name, kind in (("_reqs_to_send", "field"), ("nixl_wrapper", "field"),
+                         ("_reap_expired_send_leases", "method"))),
+    *(TouchPoint("OffloadingConnectorScheduler", name, "field", _ALL, Feature.OFFLOAD_AUDIT,
+                 source=_OFFLOAD) for name in ("_jobs", "_req_status", "manager")),
+    *(TouchPoint("TransferJobStatus", name, "field", _ALL, Feature.OFFLOAD_AUDIT,
+                 source=_OFFLOAD) for name in ("fenced_block_ids", "deferred_fence_block_ids")),
+    TouchPoint("RequestOffloadState", "deferred_lookup_start_time", "field", _ALL,
+               Feature.OFFLOAD_AUDIT, source=_OFFLOAD),
 )
 """Every vLLM internal kvguard touches, with its presence per release (from each release's
 source; checked against the installed one by tests/scheduler/test_versions.py)."""
@@ -142,7 +171,7 @@ def feature_of(label: str) -> Feature | None:
         return tp.feature
     name = label.rpartition(".")[2]
     for tp in TOUCH_POINTS:
-        if tp.name == name and tp.kind == "method":
+        if tp.name == name and tp.kind == "method" and not tp.source:
             return tp.feature
     return None
 

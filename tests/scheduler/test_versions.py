@@ -3,16 +3,19 @@
 Runs under each scheduler-level venv (0.32, 0.33, 0.34): every row of
 ``kvguard.vllm_plugin.versions.TOUCH_POINTS`` says what the touch point is in this release,
 and this test reads it back from vLLM itself (a class's methods, a dataclass's fields, a
-real scheduler's instance attributes and blocks), so the docs' table cannot drift from
-vLLM either.
+real scheduler's instance attributes and blocks; a connector's attributes from its class's
+source, since NIXL's classes need NIXL and a GPU to build), so the docs' table cannot
+drift from vLLM either.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import vllm
@@ -48,7 +51,29 @@ def _changed(tp: TouchPoint, s: Sched) -> bool:
     raise AssertionError(f"no check for a changed {tp.label}")
 
 
+def _defined_in_source(tp: TouchPoint) -> bool:
+    """Whether vLLM's own source of ``tp.source`` has class ``tp.owner`` define ``tp.name``
+    (a method, a class-level field, or ``self.<name> = ...`` in one of its methods)."""
+    tree = ast.parse((Path(vllm.__file__).parent / tp.source).read_text())
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if cls.name != tp.owner:
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == tp.name:
+                return True
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            for t in targets:
+                if (isinstance(t, ast.Name) and t.id == tp.name) or (
+                        isinstance(t, ast.Attribute) and t.attr == tp.name
+                        and isinstance(t.value, ast.Name) and t.value.id == "self"):
+                    return True
+    return False
+
+
 def _presence(tp: TouchPoint, s: Sched) -> Presence:
+    if tp.source:
+        return Presence.PRESENT if _defined_in_source(tp) else Presence.ABSENT
     cls = CLASSES[tp.owner]
     if tp.kind == "method":
         present = callable(getattr(cls, tp.name, None))

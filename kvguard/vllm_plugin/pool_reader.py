@@ -121,25 +121,29 @@ def request_block_ids(kv_cache_manager: Any, request_id: str) -> list[int]:
     return out
 
 
-def counts_in(block: Any, tag: Any) -> bool:
-    """Whether a block table entry is one of the blocks of the pool whose
-    :func:`~kvguard.vllm_plugin.versions.pool_tag` is ``tag``: not the null block, and not
+def counts_in(block: Any, pool: Any) -> bool:
+    """Whether a block table entry is one of ``pool``'s blocks: not the null block, and not
     a block of another pool (a KV group bound to a private pool, e.g. a host pool, draws
     its ids from that pool; the same id there is a different block). ``block.pool`` unset
-    (older vLLM) means the engine's one pool."""
+    (older vLLM) means the engine's one pool. ``pool``: the pool, or its
+    :func:`~kvguard.vllm_plugin.versions.pool_tag` (what its blocks hold: the pool itself
+    before vLLM 0.34, a weak reference to it from 0.34)."""
     if getattr(block, "is_null", False):
         return False
     owner = getattr(block, "pool", None)
-    return owner is None or owner is tag
+    return owner is None or owner is pool_tag(pool)
 
 
-def block_ids_in(blocks: Sequence[Any], tag: Any) -> list[int]:
-    """The ids of the ``blocks`` that :func:`counts_in` the pool tagged ``tag``, in order.
+def block_ids_in(blocks: Sequence[Any], pool: Any) -> list[int]:
+    """The ids of the ``blocks`` that :func:`counts_in` ``pool`` (the pool, or its
+    :func:`~kvguard.vllm_plugin.versions.pool_tag`: the hooks pass the tag, read once), in
+    order.
 
     One comprehension reading the slots directly (no call per block): every hook that
     sees blocks move calls this, so it is on the engine's hot path. Blocks without a
     ``pool`` slot (older vLLM) take the per-block :func:`counts_in`.
     """
+    tag = pool_tag(pool)
     try:
         return [b.block_id for b in blocks
                 if (b.pool is tag or b.pool is None) and not b.is_null]

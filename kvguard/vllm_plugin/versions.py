@@ -193,7 +193,8 @@ def release_of(version: str) -> str | None:
 def pool_tag(block_pool: Any) -> Any:
     """What a block of ``block_pool`` holds in its ``pool`` slot: the pool itself (vLLM
     0.32, 0.33) or the pool's one weak reference, ``_weak_self`` (0.34). Compared by
-    identity on the hot path (``block.pool is tag``): one attribute read, once per engine."""
+    identity on the hot path (``block.pool is tag``). A tag given for the pool is returned
+    as it is (a weak reference has no ``_weak_self``), so callers may pass either."""
     weak = getattr(block_pool, "_weak_self", None)
     return block_pool if weak is None else weak
 

@@ -103,3 +103,13 @@ def test_pool_tag_is_what_the_pools_own_blocks_hold(sched: Callable[..., Sched])
     s = sched()
     tag = pool_tag(s.pool)
     assert all(b.pool is tag for b in s.pool.blocks)
+
+
+def test_the_pool_and_its_tag_select_the_same_blocks(sched: Callable[..., Sched]) -> None:
+    """Callers of ``block_ids_in`` may pass the pool (as before 0.34) or its tag."""
+    from kvguard.vllm_plugin.pool_reader import block_ids_in
+
+    s = sched()
+    blocks = s.pool.blocks
+    ids = block_ids_in(blocks, s.pool)
+    assert ids == block_ids_in(blocks, pool_tag(s.pool)) == list(range(1, len(blocks)))

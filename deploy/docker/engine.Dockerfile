@@ -1,6 +1,6 @@
 # vLLM with kvguard installed next to it, in the same Python environment.
-# kvguard 0.1.0 supports vLLM 0.32.0: the base image's tag and kvguard[vllm]'s pin
-# (pyproject.toml) must agree, and the kvguard version below is pyproject.toml's:
+# kvguard 0.1.0 supports vLLM 0.32.0-0.34.0: the base image's tag must be in
+# kvguard[vllm]'s range (pyproject.toml), and the kvguard version below is pyproject.toml's:
 # tests/deploy/test_docker.py checks both.
 #
 # Build from the repository root (the context is the checkout; .dockerignore keeps it
@@ -18,9 +18,9 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
 FROM vllm/vllm-openai:v0.32.0
 COPY --from=wheel /dist/ /tmp/kvguard-dist/
-# --no-index: vLLM 0.32.0 already depends on everything kvguard needs
-# (tests/test_install.py), so nothing of vLLM's environment changes; with another
-# vLLM in the base image, kvguard[vllm]'s pin fails this step instead of replacing it.
+# --no-index: each supported vLLM already depends on everything kvguard needs
+# (tests/test_install.py), so nothing of vLLM's environment changes; with a vLLM outside
+# kvguard[vllm]'s range in the base image, this step fails instead of replacing it.
 RUN pip install --no-cache-dir --no-index --find-links=/tmp/kvguard-dist "kvguard[vllm]==0.1.0" \
     && rm -rf /tmp/kvguard-dist \
     && python3 -c "from importlib.metadata import entry_points as e; assert 'kvguard' in e(group='vllm.general_plugins').names"

@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from kvguard.chaos.harness import EngineHarness
-from kvguard.chaos.result import ScenarioResult, Status, mode_disagreements, summarize
+from kvguard.chaos.result import ScenarioResult, Status, summarize
 from kvguard.chaos.scenarios import ExpectedOffload, NotExercised, Scenario, matrix
 from kvguard.chaos.truth import PoolTruth, disagreement
 from kvguard.core.offload import OffloadState, OffloadVerdict
@@ -286,26 +286,3 @@ def _run_child(name: str, mode: Scheduling, workdir: Path,
                               reproduces=s.reproduces, expected=expected_text(s),
                               concluded="-", status=Status.ERROR, why=str(exc)[:300],
                               seconds=time.monotonic() - t0)
-
-
-def render_table(results: Sequence[ScenarioResult]) -> str:
-    rows = [("SCENARIO", "MODE", "INJECTED", "EXPECTED", "KVGUARD CONCLUDED", "RESULT")]
-    for r in results:
-        mark = {Status.PASSED: "ok", Status.FAILED: "WRONG", Status.ERROR: "ERROR",
-                Status.UNSUPPORTED: "unsupported"}[r.status]
-        rows.append((r.name, r.scheduling.value, r.injected, r.expected, r.concluded or "-",
-                     mark))
-    widths = [min(48, max(len(row[i]) for row in rows)) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths, strict=True))
-             for row in rows]
-    for r in results:
-        if r.why:
-            lines.append(f"  {r.name} [{r.scheduling.value}]: {r.why}")
-    passed = sum(r.status is Status.PASSED for r in results)
-    unsupported = sum(r.status is Status.UNSUPPORTED for r in results)
-    lines.append(f"{passed} passed, {len(results) - passed - unsupported} failed"
-                 + (f", {unsupported} unsupported on this build" if unsupported else ""))
-    differ = mode_disagreements(list(results))
-    if differ:
-        lines.append("sync and async verdicts differ: " + "; ".join(differ))
-    return "\n".join(lines)

@@ -14,8 +14,12 @@ from typing import TYPE_CHECKING
 
 from kvguard.config import KvguardConfig
 from kvguard.errors import KvguardError
-from kvguard.testing.scheduling import Scheduling
 from kvguard.transport.reader import read_run_dir
+
+SCHEDULINGS: tuple[str, ...] = ("sync", "async")
+"""``kvguard chaos --scheduling`` values: ``kvguard.testing.scheduling.Scheduling``'s, spelled
+here so that the CLI imports no test tooling until a command needs it (tests/cli checks
+that the two agree)."""
 
 if TYPE_CHECKING:
     from kvguard.core.transfer_links import TransferLink
@@ -130,8 +134,31 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
     import tempfile
 
     from kvguard.chaos.result import ScenarioResult, Status, mode_disagreements
-    from kvguard.chaos.runner import expected_text, render_table, run_matrix
+    from kvguard.cli.chaos_table import render_table
+
+    if args.url:
+        # Client-side scenarios against a deployment: no engine here (no vLLM import).
+        try:
+            from kvguard.chaos.remote import run_remote
+        except ModuleNotFoundError as exc:
+            print(f"kvguard: chaos --url needs {exc.name}, which this install lacks: "
+                  "pip install 'kvguard[chaos]'", file=sys.stderr)
+            return 2
+        if not args.sidecar:
+            print("kvguard: --url needs --sidecar URL (the deployment's kvguard sidecar, "
+                  "where the verdict is read)", file=sys.stderr)
+            return 2
+        results = run_remote(args.url, args.sidecar, model=args.model,
+                             token=KvguardConfig.from_env().control_token)
+        print(render_table(results))
+        if args.json:
+            Path(args.json).write_text(json.dumps([r.model_dump(mode="json") for r in results],
+                                                  indent=2))
+        return 0 if all(r.status is Status.PASSED for r in results) else 1
+
+    from kvguard.chaos.runner import expected_text, run_matrix
     from kvguard.chaos.scenarios import matrix
+    from kvguard.testing.scheduling import Scheduling
 
     modes = list(Scheduling) if args.scheduling == "both" else [Scheduling(args.scheduling)]
 
@@ -150,21 +177,6 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
         else:
             print(f" {result.status.value} ({result.seconds:.0f} s)", file=sys.stderr,
                   flush=True)
-
-    if args.url:
-        from kvguard.chaos.remote import run_remote
-
-        if not args.sidecar:
-            print("kvguard: --url needs --sidecar URL (the deployment's kvguard sidecar, "
-                  "where the verdict is read)", file=sys.stderr)
-            return 2
-        results = run_remote(args.url, args.sidecar, model=args.model,
-                             token=KvguardConfig.from_env().control_token)
-        print(render_table(results))
-        if args.json:
-            Path(args.json).write_text(json.dumps([r.model_dump(mode="json") for r in results],
-                                                  indent=2))
-        return 0 if all(r.status is Status.PASSED for r in results) else 1
 
     only = [n for n in (args.only or "").split(",") if n] or None
     with tempfile.TemporaryDirectory(prefix="kvguard-chaos-") as tmp:
@@ -212,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--only", help="comma-separated scenario names")
     ch.add_argument("--json", help="write the results as JSON to this file (for CI)")
     ch.add_argument("--workdir", help="keep models, logs and state here")
-    ch.add_argument("--scheduling", choices=[*(m.value for m in Scheduling), "both"],
+    ch.add_argument("--scheduling", choices=[*SCHEDULINGS, "both"],
                     default="sync", help="vLLM's scheduling mode for the embedded engine: "
                     "sync, async (the CPU build's override undone, AsyncScheduler with a "
                     "batch queue) or both (each scenario twice; fails if the verdicts differ)")

@@ -1,6 +1,7 @@
 """Wrap the vLLM methods where blocks move and where requests change phase.
 
-Hook points (vLLM v1, 0.32), all installed per instance (the class is left alone):
+Hook points (vLLM v1, 0.32-0.34; per release in :mod:`kvguard.vllm_plugin.versions`), all
+installed per instance (the class is left alone):
 
 ===============================================  =============================================
 ``BlockPool.get_new_blocks``                     blocks allocated (unattributed until claimed)
@@ -24,7 +25,9 @@ for acquisitions are not known at the pool level; the ledger records them as
 unattributed and claims them from the engine's own block tables at the next
 lifecycle transition or audit. Each hook body is wrapped in ``try``/``except``:
 a failure is counted and the engine's call proceeds unchanged. A method that
-this vLLM version lacks is listed in ``hooks_missing`` with a warning.
+this vLLM version lacks is listed in ``hooks_missing`` as ``<label> (off: <feature>)``
+(the feature from :mod:`kvguard.vllm_plugin.versions`) with one warning, and the engine
+runs on with its own method.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard, InstalledHook
 from kvguard.vllm_plugin.pool_reader import block_ids_in
+from kvguard.vllm_plugin.versions import missing_message, pool_tag
 
 log = logging.getLogger("kvguard")
 
@@ -89,9 +93,13 @@ def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> No
     orig = getattr(obj, name, None)
     label = f"{type(obj).__name__}.{name}"
     if orig is None or not callable(orig):
-        g.hooks_missing.append(label)
-        log.warning("kvguard: %s not found in this vLLM version; that hook is off and "
-                    "findings on its path may be attributed less precisely", label)
+        # Fail soft (a vLLM nobody tested): the engine keeps its method as it is, the
+        # feature that needs it is off, and the state's hooks_missing says which and why.
+        message = missing_message(label)
+        g.hooks_missing.append(message)
+        log.warning("kvguard: %s is not in this vLLM (%s): that hook is not installed, "
+                    "the rest of kvguard runs; findings on its path may be attributed "
+                    "less precisely", label, message.partition("(")[2].rstrip(")"))
         return
     if getattr(orig, _MARK, False):
         return  # already installed: idempotent
@@ -177,6 +185,8 @@ def install_hooks(g: EngineGuard) -> None:
     a free inside ``_free_request_blocks`` is charged to that request.
     """
     pool = g.block_pool
+    tag = pool_tag(pool)
+    """What the pool's own blocks hold in their ``pool`` slot (the version layer's)."""
     sched = g.scheduler
     vllm = g.vllm
     errors = g.errors
@@ -225,7 +235,7 @@ def install_hooks(g: EngineGuard) -> None:
             blocks = blocks if isinstance(blocks, (list, tuple)) else list(blocks)
             ret = orig(blocks, *args, **kwargs)
             try:
-                ledger.on_blocks_acquired(owner[0], block_ids_in(blocks, pool), _PREFIX_HIT)
+                ledger.on_blocks_acquired(owner[0], block_ids_in(blocks, tag), _PREFIX_HIT)
             except Exception as exc:
                 errors.record("touch", exc)
             return ret
@@ -237,7 +247,7 @@ def install_hooks(g: EngineGuard) -> None:
                 blocks = blocks if isinstance(blocks, list) else list(blocks)
                 ret = orig(blocks, *args, **kwargs)
                 try:
-                    ledger.on_blocks_released(owner[0], block_ids_in(blocks, pool))
+                    ledger.on_blocks_released(owner[0], block_ids_in(blocks, tag))
                 except Exception as exc:
                     errors.record(hook, exc)
                 return ret

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
+from kvguard.vllm_plugin.versions import pool_tag
 
 
 def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot:
@@ -112,11 +113,11 @@ def request_block_ids(kv_cache_manager: Any, request_id: str) -> list[int]:
     ``defaultdict``.
     """
     out: list[int] = []
-    pool = kv_cache_manager.block_pool
+    tag = pool_tag(kv_cache_manager.block_pool)
     for mgr in _single_type_managers(kv_cache_manager):
         blocks = mgr.req_to_blocks.get(request_id)
         if blocks:
-            out.extend(block_ids_in(blocks, pool))
+            out.extend(block_ids_in(blocks, tag))
     return out
 
 
@@ -124,35 +125,40 @@ def counts_in(block: Any, pool: Any) -> bool:
     """Whether a block table entry is one of ``pool``'s blocks: not the null block, and not
     a block of another pool (a KV group bound to a private pool, e.g. a host pool, draws
     its ids from that pool; the same id there is a different block). ``block.pool`` unset
-    (older vLLM) means the engine's one pool."""
+    (older vLLM) means the engine's one pool. ``pool``: the pool, or its
+    :func:`~kvguard.vllm_plugin.versions.pool_tag` (what its blocks hold: the pool itself
+    before vLLM 0.34, a weak reference to it from 0.34)."""
     if getattr(block, "is_null", False):
         return False
     owner = getattr(block, "pool", None)
-    return owner is None or owner is pool
+    return owner is None or owner is pool_tag(pool)
 
 
 def block_ids_in(blocks: Sequence[Any], pool: Any) -> list[int]:
-    """The ids of the ``blocks`` that :func:`counts_in` ``pool``, in order.
+    """The ids of the ``blocks`` that :func:`counts_in` ``pool`` (the pool, or its
+    :func:`~kvguard.vllm_plugin.versions.pool_tag`: the hooks pass the tag, read once), in
+    order.
 
     One comprehension reading the slots directly (no call per block): every hook that
     sees blocks move calls this, so it is on the engine's hot path. Blocks without a
     ``pool`` slot (older vLLM) take the per-block :func:`counts_in`.
     """
+    tag = pool_tag(pool)
     try:
         return [b.block_id for b in blocks
-                if (b.pool is pool or b.pool is None) and not b.is_null]
+                if (b.pool is tag or b.pool is None) and not b.is_null]
     except AttributeError:
-        return [b.block_id for b in blocks if counts_in(b, pool)]
+        return [b.block_id for b in blocks if counts_in(b, tag)]
 
 
 def all_request_tables(kv_cache_manager: Any) -> dict[str, list[int]]:
     """Every request's block ids, from the engine's own tables (for claiming at audits)."""
     out: dict[str, list[int]] = {}
-    pool = kv_cache_manager.block_pool
+    tag = pool_tag(kv_cache_manager.block_pool)
     for mgr in _single_type_managers(kv_cache_manager):
         for rid, blocks in mgr.req_to_blocks.items():
             if blocks:
-                out.setdefault(rid, []).extend(block_ids_in(blocks, pool))
+                out.setdefault(rid, []).extend(block_ids_in(blocks, tag))
     return out
 
 
@@ -171,6 +177,7 @@ class VllmPoolAccess:
     def __init__(self, kv_cache_manager: Any) -> None:
         self._kvm = kv_cache_manager
         self._pool = kv_cache_manager.block_pool
+        self._tag = pool_tag(self._pool)
         self._blocks: list[Any] = self._pool.blocks
         null = getattr(self._pool, "null_block", None)
         self._nulls = frozenset({null.block_id}) if null is not None else frozenset()
@@ -213,12 +220,12 @@ class VllmPoolAccess:
         on the hooks' hot path: one ``get`` per KV group."""
         if len(self._tables) == 1:
             blocks = self._tables[0].get(request_id)
-            return block_ids_in(blocks, self._pool) if blocks else []
+            return block_ids_in(blocks, self._tag) if blocks else []
         out: list[int] = []
         for table in self._tables:
             blocks = table.get(request_id)
             if blocks:
-                out.extend(block_ids_in(blocks, self._pool))
+                out.extend(block_ids_in(blocks, self._tag))
         return out
 
     def num_free(self) -> int:

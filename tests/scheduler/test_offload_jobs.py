@@ -1,4 +1,4 @@
-"""kvguard's offload audit on vLLM's real OffloadingConnector scheduler side, 0.32 and 0.33.
+"""kvguard's offload audit on vLLM's real OffloadingConnector scheduler side, 0.32-0.34.
 
 No model and no worker: vLLM's ``Scheduler`` with the OffloadingConnector (its scheduler
 side and ``CPUOffloadingManager``) is stepped by hand, and the test plays the worker: it
@@ -17,10 +17,11 @@ from _sched import Sched, build_scheduler, prompt
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from kvguard.core.offload import OffloadVerdict
 from kvguard.testing.offload_spec import offload_transfer_config
+from kvguard.vllm_plugin.versions import model_runner_output
 
 
 def _step(h: Sched, complete: bool, handed: set[int]) -> None:
@@ -37,9 +38,8 @@ def _step(h: Sched, complete: bool, handed: set[int]) -> None:
         handed.clear()
     kv_out = KVConnectorOutput(kv_connector_worker_meta=OffloadingWorkerMetadata(
         completed_jobs=done)) if done else None
-    s.update_from_output(out, ModelRunnerOutput(
-        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled, kv_connector_output=kv_out))
+    s.update_from_output(out, model_runner_output(
+        req_ids, sampled_token_ids=sampled, kv_connector_output=kv_out))
 
 
 def test_a_store_withheld_is_stuck_then_reported_is_ok(tiny_model_dir: Path) -> None:

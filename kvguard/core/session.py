@@ -60,6 +60,7 @@ from kvguard.core.transfers import (
     TransferRole,
 )
 from kvguard.core.types import AcquireKind, Evidence, FinishReason, RequestId, Verdict
+from kvguard.core.wedge_monitor import WedgeMonitor
 from kvguard.kv_events.snapshot import KvEventsSnapshot, KvEventsState
 from kvguard.version import __version__
 
@@ -160,7 +161,8 @@ class HookErrors:
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests", "transfers", "checkpoint", "cost_meter",
-                             "idle_wake", "idle", "kv_events", "tracing", "offload"})
+                             "idle_wake", "idle", "kv_events", "tracing", "offload",
+                             "wedge"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:
@@ -277,6 +279,8 @@ class GuardSession:
         """The KV-event mirror check's engine side (None: the engine publishes no KV events)."""
         self.kv_events_snapshot: KvEventsSnapshot | None = None
         """Read at the last drained checkpoint."""
+        self.wedge: WedgeMonitor | None = None
+        """The wedge verdict (set by the engine integration that can read what waits)."""
         self.config = config  # builds the online auditor
 
     # ------------------------------------------------------------ settings
@@ -505,6 +509,9 @@ class GuardSession:
                 self.poll_offload()
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
+        if step_seconds is not None and self.wedge is not None:
+            with self.contain("wedge"):
+                self.wedge.on_step_end(time.time(), time.monotonic())
         online = self.online
         if step_seconds is not None and online is not None and online.tick(step_seconds):
             self._online_step()
@@ -886,6 +893,7 @@ class GuardSession:
             kv_events=self._kv_events_state(),
             tracing=self._tracing_state(),
             offload=self.offload.last if self.offload is not None else None,
+            wedge=self.wedge.state() if self.wedge is not None else None,
             reports=list(self.reports),
         )
 

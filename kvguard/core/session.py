@@ -509,9 +509,10 @@ class GuardSession:
                 self.poll_offload()
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
-        if step_seconds is not None and self.wedge is not None:
+        if self.wedge is not None:
             with self.contain("wedge"):
-                self.wedge.on_step_end(time.time(), time.monotonic())
+                self.wedge.on_step_end(time.time(), time.monotonic(),
+                                       stepped=step_seconds is not None)
         online = self.online
         if step_seconds is not None and online is not None and online.tick(step_seconds):
             self._online_step()

@@ -112,9 +112,11 @@ class WedgeMonitor:
                 self.last = self.last.model_copy(update={"wedged": False, "explanation":
                                                          "admitting again"})
 
-    def on_step_end(self, wall: float, mono: float) -> WedgeVerdict | None:
-        """A step ended (``wall``: Unix s, ``mono``: monotonic s). Returns the verdict when
-        it names a wedge that was not named before."""
+    def on_step_end(self, wall: float, mono: float, *, stepped: bool = True
+                    ) -> WedgeVerdict | None:
+        """A step ended (``wall``: Unix s, ``mono``: monotonic s; ``stepped``: False for
+        the end of an abort, which is no engine step). Returns the verdict when it names a
+        wedge that was not named before."""
         n = self.source.num_waiting()
         if n == 0:
             if self._stall_since_mono is not None or self.wedged_since is not None:
@@ -128,7 +130,7 @@ class WedgeMonitor:
                 or running > self._running):
             self._progress()
             self._stall_since_mono = mono
-        else:
+        elif stepped:
             self._stall_steps += 1
         self._head, self._waiting, self._running = head, n, running
         stalled_for = mono - self._stall_since_mono

@@ -35,6 +35,7 @@ EXPECTED_ALERTS = {
     "KvguardKvReadAfterExpiryNotSeen": "warning",
     "KvguardKvEventMirrorDiverged": "warning",
     "KvguardOffloadJobStuck": "warning",
+    "KvguardEngineWedged": "critical",
 }
 PD_RECORDS = {
     "namespace_model_name:kvguard_kv_transfers_read:increase15m",

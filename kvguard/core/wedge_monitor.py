@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.dead_owners import dead_owners
+from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.offload import OffloadAudit
+from kvguard.core.online import OnlineAuditor
 from kvguard.core.types import LeakCause
 from kvguard.core.wedge import (
     DeadOwner,
@@ -35,9 +38,6 @@ from kvguard.core.wedge import (
     WedgeVerdict,
     judge_wedge,
 )
-
-if TYPE_CHECKING:
-    from kvguard.core.session import GuardSession
 
 log = logging.getLogger("kvguard")
 
@@ -164,7 +164,24 @@ class WedgeMonitor:
         return self.last if self.wedged else None
 
 
-def session_dead_owners(session: GuardSession, now: float) -> list[DeadOwner]:
+class OwnerRecords(Protocol):
+    """What a guard session keeps that names dead owners (``GuardSession`` has it all)."""
+
+    @property
+    def ledger(self) -> OwnershipLedger: ...
+
+    @property
+    def offload(self) -> OffloadAudit | None: ...
+
+    @property
+    def online(self) -> OnlineAuditor | None: ...
+
+    @property
+    def delayed_free_bound(self) -> float:
+        """Seconds a delayed free may last."""
+
+
+def session_dead_owners(session: OwnerRecords, now: float) -> list[DeadOwner]:
     """Dead owners from what ``session`` keeps: its ledger, its offload audit's stuck jobs
     and its online audit's confirmed blocks."""
     stuck: list[str] = []

@@ -510,9 +510,10 @@ class GuardSession:
         if self.drain_pending or self._checkpoint_requested:
             self.maybe_checkpoint()
         if self.wedge is not None:
-            with self.contain("wedge"):
-                self.wedge.on_step_end(time.time(), time.monotonic(),
-                                       stepped=step_seconds is not None)
+            try:  # not self.contain: this runs every step, and a bare try costs nothing
+                self.wedge.on_step_end(stepped=step_seconds is not None)
+            except Exception as exc:
+                self.errors.record("wedge", exc)
         online = self.online
         if step_seconds is not None and online is not None and online.tick(step_seconds):
             self._online_step()

@@ -20,6 +20,7 @@ the queue does too: that can only delay a verdict, never make a false one).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -112,11 +113,11 @@ class WedgeMonitor:
                 self.last = self.last.model_copy(update={"wedged": False, "explanation":
                                                          "admitting again"})
 
-    def on_step_end(self, wall: float, mono: float, *, stepped: bool = True
-                    ) -> WedgeVerdict | None:
-        """A step ended (``wall``: Unix s, ``mono``: monotonic s; ``stepped``: False for
-        the end of an abort, which is no engine step). Returns the verdict when it names a
-        wedge that was not named before."""
+    def on_step_end(self, wall: float | None = None, mono: float | None = None, *,
+                    stepped: bool = True) -> WedgeVerdict | None:
+        """A step ended (``wall``: Unix s, ``mono``: monotonic s, read from the clocks when
+        None and something waits; ``stepped``: False for the end of an abort, which is no
+        engine step). Returns the verdict when it names a wedge that was not named before."""
         n = self.source.num_waiting()
         if n == 0:
             if self._stall_since_mono is not None or self.wedged_since is not None:
@@ -124,6 +125,8 @@ class WedgeMonitor:
                 self._head = None
                 self._progress()
             return None
+        wall = time.time() if wall is None else wall
+        mono = time.monotonic() if mono is None else mono
         head = self.source.head_request_id()
         running = self.source.num_running()
         if (self._stall_since_mono is None or head != self._head or n < self._waiting

@@ -33,6 +33,11 @@ from (a worker process, or EngineCore), built as 7 and released after 8; and ``t
 exported or failed). 10: ``wedge`` (the wedge verdict: requests waiting behind blocks
 that dead owners hold)."""
 
+READABLE_SCHEMA_VERSIONS = frozenset({9, STATE_SCHEMA_VERSION})
+"""State schemas this kvguard reads: a schema-9 state is a schema-10 state without ``wedge``
+(an engine of the previous release is read, and never judged wedged); a newer one is
+refused with both versions named."""
+
 
 class OnlineState(BaseModel):
     """The online audit's counters (present when it is on)."""

@@ -9,6 +9,7 @@ saturated pool.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from factories import report, state, write
@@ -131,3 +132,14 @@ def test_readiness_is_documented_with_its_503(tmp_path: Path) -> None:
     with _client(tmp_path) as c:
         op = c.get("/openapi.json").json()["paths"]["/v1/ready"]["get"]
         assert {"200", "503"} <= set(op["responses"])
+
+
+def test_a_state_of_the_previous_schema_is_read_and_never_wedged(tmp_path: Path) -> None:
+    """Schema 9 (before ``wedge``): an engine of the previous release stays readable."""
+    old = state([report(1)]).model_dump(mode="json")
+    del old["wedge"]
+    old["schema_version"] = 9
+    (tmp_path / "dp0.json").write_text(json.dumps(old))
+    with _client(tmp_path) as c:
+        r = c.get("/v1/ready")
+        assert r.status_code == 200 and r.json()["engines"][0]["engine"] == "dp0"

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from _pool import Harness, RefAdapter
+from _sinks import ListSink
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvguard.config import KvguardConfig
 from kvguard.core.dead_owners import dead_owners
 from kvguard.core.ledger import OwnershipLedger
+from kvguard.core.session import GuardSession
 from kvguard.core.types import AcquireKind, FinishReason, LeakCause, RequestId
 from kvguard.core.wedge import (
     DeadOwner,
@@ -25,7 +29,7 @@ from kvguard.core.wedge import (
     WedgeOptions,
     judge_wedge,
 )
-from kvguard.core.wedge_monitor import WedgeMonitor
+from kvguard.core.wedge_monitor import WedgeMonitor, session_dead_owners
 
 CAPACITY = 63
 BOUND = 30.0
@@ -209,3 +213,44 @@ def test_monitor_never_collects_owners_while_the_queue_moves() -> None:
         q.waiting = [f"r{t}", "x"]  # a new head every step: admissions go on
         assert mon.on_step_end(float(t), float(t)) is None
     assert asked == [] and q.reads == 0 and not mon.wedged
+
+
+# ------------------------------------------------------- inside a guard session
+def _session_with_queue(q: _Queue) -> tuple[GuardSession, ListSink, Harness]:
+    h = Harness(CAPACITY + 1)
+    sink = ListSink()
+    cfg = KvguardConfig.from_env({}, publish_interval_seconds=0.0, online_audit=False)
+    s = GuardSession(RefAdapter(h), cfg, engine="ref0", sink=sink)
+    h.ledger = s.ledger
+    s.wedge = WedgeMonitor(q, lambda now: session_dead_owners(s, now),
+                           WedgeOptions(after_seconds=0.0, after_steps=3), engine="ref0")
+    return s, sink, h
+
+
+def test_a_session_names_the_wedge_its_ledger_proves_and_publishes_it() -> None:
+    q = _Queue()
+    s, sink, h = _session_with_queue(q)
+    victim = h.admit()
+    h.allocate(victim, 60, hash_mask=[False] * 60, attributed=True)
+    h.skip_free_on_abort(victim)  # its 60 blocks stay referenced, the engine forgot it
+    q.waiting, q.free, q.need = ["next"], 3, 8
+    for _ in range(5):
+        s.on_step_end(step_seconds=0.001)
+    w = s.state().wedge
+    assert w is not None and w.wedged and w.verdicts_total == 1 and w.last is not None
+    [owner] = w.last.dead_owners
+    assert (owner.kind, owner.request_id, owner.blocks) == \
+        (DeadOwnerKind.FINISHED_REQUEST, victim.client_id, 60)
+    assert sink.states[-1].wedge == w and s.errors.total == 0
+
+
+def test_a_failing_wedge_monitor_is_contained_and_counted() -> None:
+    q = _Queue()
+    s, _, _ = _session_with_queue(q)
+
+    def broken() -> int:
+        raise RuntimeError("queue renamed")
+
+    q.num_waiting = broken  # type: ignore[method-assign]
+    s.on_step_end(step_seconds=0.001)  # the engine goes on
+    assert s.errors.by_hook["wedge"] == 1 and s.errors.ledger_errors == 0

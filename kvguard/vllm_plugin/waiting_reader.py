@@ -30,8 +30,6 @@ class VllmWaiting:
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self._waiting: Any = getattr(scheduler, "waiting", _EMPTY)
-        self._holding: Any = getattr(scheduler, "kv_holding_waiting", _EMPTY)
         kvm = getattr(scheduler, "kv_cache_manager", None)
         self._pool: Any = getattr(kvm, "block_pool", None)
         self.block_size = int(getattr(scheduler, "block_size", 0) or
@@ -39,14 +37,20 @@ class VllmWaiting:
                                       "block_size", 16))
         """Tokens per block (vLLM's ``scheduler.block_size``)."""
 
+    def _queues(self) -> tuple[Any, Any]:
+        """Read each time: a scheduler (or a subclass) may replace its queues."""
+        s = self.scheduler
+        return getattr(s, "kv_holding_waiting", _EMPTY), getattr(s, "waiting", _EMPTY)
+
     def num_waiting(self) -> int:
-        return _len(self._waiting) + _len(self._holding)
+        holding, waiting = self._queues()
+        return _len(waiting) + _len(holding)
 
     def num_running(self) -> int:
         return _len(getattr(self.scheduler, "running", _EMPTY))
 
     def _head(self) -> Any:
-        for q in (self._holding, self._waiting):
+        for q in self._queues():
             if _len(q):
                 peek = getattr(q, "peek_request", None)
                 return peek() if peek is not None else next(iter(q))
@@ -57,8 +61,7 @@ class VllmWaiting:
         return None if head is None else str(getattr(head, "request_id", id(head)))
 
     def _oldest_arrival(self) -> float | None:
-        times = [getattr(r, "arrival_time", None) for q in (self._holding, self._waiting)
-                 for r in q]
+        times = [getattr(r, "arrival_time", None) for q in self._queues() for r in q]
         known = [t for t in times if isinstance(t, (int, float))]
         return min(known) if known else None
 

@@ -46,6 +46,15 @@ from kvguard.core.types import (
     LeakPath,
     Verdict,
 )
+from kvguard.core.wedge import (
+    DeadOwner,
+    DeadOwnerKind,
+    WaitingView,
+    WedgeOptions,
+    WedgeVerdict,
+    judge_wedge,
+)
+from kvguard.core.wedge_monitor import WaitingSource, WedgeMonitor, WedgeState
 from kvguard.errors import (
     ConfigError,
     CorruptStateError,
@@ -76,6 +85,8 @@ __all__ = [
     "CorruptStateError",
     "CostMeter",
     "CostState",
+    "DeadOwner",
+    "DeadOwnerKind",
     "EngineActivity",
     "EngineAdapter",
     "EngineIdentity",
@@ -136,10 +147,17 @@ __all__ = [
     "TransfersState",
     "TransportError",
     "Verdict",
+    "WaitingSource",
+    "WaitingView",
+    "WedgeMonitor",
+    "WedgeOptions",
+    "WedgeState",
+    "WedgeVerdict",
     "WorkerRankState",
     "__version__",
     "classify_block",
     "judge",
+    "judge_wedge",
     "link_transfers",
     "parse_traceparent",
     "read_run_dir",

@@ -47,6 +47,12 @@ class KvguardConfig:
     """How long a job of an offloading KV connector (a store to, or load from, its offload
     tier) may stay in flight before kvguard calls it stuck (``kvguard_offload_stuck_jobs``).
     Unset: the delayed-free bound."""
+    wedge_after_seconds: float = 30.0
+    """Requests waiting with none admitted for this long (and ``wedge_after_steps`` engine
+    steps) while dead owners hold the blocks they need: the engine is named wedged
+    (``kvguard_engine_wedged``, the sidecar's ``/v1/ready`` answers 503; docs/wedge.md)."""
+    wedge_after_steps: int = 20
+    """Engine steps with none admitted, with ``wedge_after_seconds``, before a wedge."""
     saturation_ratio: float = 0.8
     """Cached share of capacity at which a clean pool is reported ``saturated``."""
     checkpoint_min_interval_seconds: float = 0.0
@@ -128,13 +134,16 @@ class KvguardConfig:
         for name in ("delayed_free_bound_seconds", "offload_job_bound_seconds",
                      "checkpoint_min_interval_seconds",
                      "publish_interval_seconds", "online_max_pause_seconds",
-                     "idle_recheck_seconds"):
+                     "idle_recheck_seconds", "wedge_after_seconds"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigError(ENV_PREFIX + name.upper(), getattr(self, name), "seconds >= 0")
         if not 0.0 < self.online_budget_fraction <= 0.5:
             raise ConfigError("KVGUARD_ONLINE_BUDGET_FRACTION", self.online_budget_fraction,
                               "a fraction of scheduler time in (0, 0.5], e.g. 0.005")
+        if self.wedge_after_steps < 1:
+            raise ConfigError("KVGUARD_WEDGE_AFTER_STEPS", self.wedge_after_steps,
+                              "an integer >= 1")
         if self.checkpoint_burst < 1:
             raise ConfigError("KVGUARD_CHECKPOINT_BURST", self.checkpoint_burst,
                               "an integer >= 1")

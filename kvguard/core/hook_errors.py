@@ -20,7 +20,8 @@ class HookErrors:
 
     LEDGER_SAFE = frozenset({"publish", "attribution", "update_from_output", "schedule",
                              "finish_requests", "transfers", "checkpoint", "cost_meter",
-                             "idle_wake", "idle", "kv_events", "tracing", "offload"})
+                             "idle_wake", "idle", "kv_events", "tracing", "offload",
+                             "wedge"})
     """Hooks whose failure cannot leave the ledger short of events."""
 
     def __init__(self) -> None:

@@ -83,6 +83,7 @@ from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.state import OnlineState, TracingState
 from kvguard.core.transfers import TransferEvent, TransfersState
 from kvguard.core.types import FinishReason, RequestId
+from kvguard.core.wedge_monitor import WedgeState
 from kvguard.kv_events.snapshot import KvEventsState
 
 
@@ -107,6 +108,7 @@ class StateSection(TypedDict, total=False):
     online: OnlineState | None
     kv_events: KvEventsState | None
     tracing: TracingState | None
+    wedge: WedgeState | None
 
 
 class MonitorHost(Protocol):

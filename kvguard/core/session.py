@@ -64,6 +64,7 @@ from kvguard.core.monitors.tracing import RequestTraces as RequestTraces
 from kvguard.core.monitors.tracing import RequestTracing
 from kvguard.core.monitors.transfers import TRANSFER_POLL_SECONDS as TRANSFER_POLL_SECONDS
 from kvguard.core.monitors.transfers import TransferMonitor
+from kvguard.core.monitors.wedge import WedgeWatch
 from kvguard.core.offload import OffloadSource, OffloadState
 from kvguard.core.pacing import CheckpointPacer
 from kvguard.core.reconciler import ReconcileOptions, reconcile
@@ -149,6 +150,7 @@ class GuardSession(MonitorSlots):
         self._online: OnlineAudit | None = OnlineAudit(self) if config.online_audit else None
         self._kv_events: KvEventsMirror | None = None
         self._tracing: RequestTracing | None = None
+        self._wedge: WedgeWatch | None = None
         self._extra: list[Monitor] = []
         self._moments: dict[str, list[Any]] = {}
         self.attributor = attributor

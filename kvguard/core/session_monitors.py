@@ -24,9 +24,11 @@ from kvguard.core.monitors.offload import OffloadMonitor
 from kvguard.core.monitors.online_audit import OnlineAudit
 from kvguard.core.monitors.tracing import RequestTraces, RequestTracing
 from kvguard.core.monitors.transfers import TransferMonitor
+from kvguard.core.monitors.wedge import WedgeWatch
 from kvguard.core.offload import OffloadAudit
 from kvguard.core.online import OnlineAuditor
 from kvguard.core.transfers import TransferLog
+from kvguard.core.wedge_monitor import WedgeMonitor
 from kvguard.kv_events.snapshot import KvEventsSnapshot
 
 
@@ -41,6 +43,7 @@ class MonitorSlots:
     _online: OnlineAudit | None
     _kv_events: KvEventsMirror | None
     _tracing: RequestTracing | None
+    _wedge: WedgeWatch | None
     _extra: list[Monitor]
     _moments: dict[str, list[Any]]
     """Moment name -> the bound methods of the monitors that act at it."""
@@ -55,7 +58,7 @@ class MonitorSlots:
         """The features on now, in the order their moments run."""
         slots: list[Monitor | None] = [
             self.drain_forecast, self._transfers, self._offload, self._idle,
-            self._attribution, self._online, self._kv_events, self._tracing]
+            self._attribution, self._online, self._kv_events, self._tracing, self._wedge]
         return [m for m in slots if m is not None] + self._extra
 
     def add_monitor(self, monitor: Monitor) -> None:
@@ -111,6 +114,17 @@ class MonitorSlots:
             self._tracing.detach()
         self._tracing = (RequestTracing(self._host(), tracer, self.transfers)
                          if tracer is not None else None)
+        self._rebuild()
+
+    @property
+    def wedge(self) -> WedgeMonitor | None:
+        """The wedge verdict (set by the engine integration that can read what waits in
+        the engine; None: off)."""
+        return self._wedge.wedge if self._wedge is not None else None
+
+    @wedge.setter
+    def wedge(self, wedge: WedgeMonitor | None) -> None:
+        self._wedge = WedgeWatch(self._host(), wedge) if wedge is not None else None
         self._rebuild()
 
     @property

@@ -13,9 +13,10 @@ from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.offload import OffloadState
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
+from kvguard.core.wedge_monitor import WedgeState
 from kvguard.kv_events.snapshot import KvEventsState
 
-STATE_SCHEMA_VERSION = 9
+STATE_SCHEMA_VERSION = 10
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
@@ -29,7 +30,13 @@ kvguard's worker half in each worker process reported: per-rank lease lapses, la
 finished transfers, drops, errors); ``transfers.hold_source`` names where the leases came
 from (a worker process, or EngineCore), built as 7 and released after 8; and ``tracing``
 (kvguard's spans in the requests' traces: where they go, what was queued, dropped,
-exported or failed)."""
+exported or failed). 10: ``wedge`` (the wedge verdict: requests waiting behind blocks
+that dead owners hold)."""
+
+READABLE_SCHEMA_VERSIONS = frozenset({9, STATE_SCHEMA_VERSION})
+"""State schemas this kvguard reads: a schema-9 state is a schema-10 state without ``wedge``
+(an engine of the previous release is read, and never judged wedged); a newer one is
+refused with both versions named."""
 
 
 class OnlineState(BaseModel):
@@ -163,6 +170,8 @@ class EngineState(BaseModel):
     offload: OffloadState | None = Field(
         default=None, description="The offload path (an offloading KV connector's jobs and "
                                   "tier); None without one.")
+    wedge: WedgeState | None = Field(default=None, description="The wedge monitor (present "
+                                     "when the engine integration reads what waits).")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

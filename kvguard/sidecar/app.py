@@ -30,6 +30,7 @@ from kvguard.sidecar.models import (
     TrendReport,
 )
 from kvguard.sidecar.pages.routes import register_pages
+from kvguard.sidecar.readiness import Readiness, readiness
 from kvguard.sidecar.store import EngineStore
 from kvguard.transport.control import write_request
 from kvguard.version import __version__
@@ -126,6 +127,14 @@ def create_app(store: EngineStore, *, control_token: str | None = None,
         return Health(status="ok", engines=len(store.engines),
                       engines_up=sum(store.is_up(v) for v in store.engines.values()),
                       read_errors=dict(store.read_errors))
+
+    @app.get("/v1/ready", response_model=Readiness,
+             responses={503: {"model": Readiness, "description": "Not ready: no engine "
+                              "state yet, an engine's state is stale, or an engine is wedged"}},
+             summary="Readiness: 503 while an engine is wedged or silent, never for load")
+    def ready() -> Response:
+        r = readiness(store)
+        return JSONResponse(r.model_dump(mode="json"), status_code=200 if r.ready else 503)
 
     @app.get("/v1/report", response_model=ReportsResponse,
              summary="Latest checkpoint report and trend per engine")

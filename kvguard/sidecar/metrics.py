@@ -21,6 +21,7 @@ from kvguard.core.types import Evidence, LeakCause, Verdict
 from kvguard.sidecar.kv_events_metrics import kv_events_families
 from kvguard.sidecar.offload_metrics import offload_families
 from kvguard.sidecar.store import EngineStore
+from kvguard.sidecar.wedge_metrics import wedge_families
 from kvguard.transport.state import EngineState
 
 METRICS_CONTRACT_VERSION = 2
@@ -243,6 +244,7 @@ class KvguardCollector(Collector):
                     cost_skipped, trace_exported, trace_dropped, trace_failed)
         yield from kv_events_families(self.store, ENGINE_LABELS)
         yield from offload_families(self.store, ENGINE_LABELS)
+        yield from wedge_families(self.store, ENGINE_LABELS)
 
 
 def engine_label_values(name: str, state: EngineState) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kvguard.config import ENGINE_NAME_PATTERN
+from kvguard.core.state import READABLE_SCHEMA_VERSIONS
 from kvguard.errors import ProtocolError
 from kvguard.transport.state import STATE_SCHEMA_VERSION, EngineState
 
@@ -56,7 +57,8 @@ def read_state_file(path: Path) -> EngineState:
     """
     raw = _read_bounded(path)
     peek = _peek_version(raw)
-    if peek is not None and peek.schema_version not in (None, STATE_SCHEMA_VERSION):
+    if peek is not None and peek.schema_version is not None \
+            and peek.schema_version not in READABLE_SCHEMA_VERSIONS:
         by = f" (kvguard {peek.kvguard_version})" if peek.kvguard_version else ""
         raise ProtocolError(
             f"{path}: written by a kvguard with state schema {peek.schema_version}{by}, this "

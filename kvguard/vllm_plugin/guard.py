@@ -17,11 +17,14 @@ from typing import Any, NamedTuple
 from kvguard.attribution.setup import attributor_for_vllm
 from kvguard.config import KvguardConfig
 from kvguard.core.session import GuardSession
+from kvguard.core.wedge import DeadOwner, WedgeOptions
+from kvguard.core.wedge_monitor import WedgeMonitor, session_dead_owners
 from kvguard.tracing.tracer import RequestTracer
 from kvguard.transport.control import request_mtime_ns
 from kvguard.transport.publisher import StatePublisher
 from kvguard.vllm_plugin.adapter import VllmAdapter
 from kvguard.vllm_plugin.trace_setup import tracer_for_vllm
+from kvguard.vllm_plugin.waiting_reader import VllmWaiting
 
 _GUARDS: weakref.WeakValueDictionary[str, EngineGuard] = weakref.WeakValueDictionary()
 
@@ -96,7 +99,14 @@ class EngineGuard(GuardSession):
         """Findings into the requests' traces (None: no OTLP endpoint configured); the
         admission hook hands it each request's trace headers."""
         self.tracer = self.request_tracer
+        self.wedge = WedgeMonitor(VllmWaiting(scheduler), self._dead_owners,
+                                  WedgeOptions(config.wedge_after_seconds,
+                                               config.wedge_after_steps), engine=self.engine)
         _GUARDS[self.engine] = self
+
+
+    def _dead_owners(self, now: float) -> list[DeadOwner]:
+        return session_dead_owners(self, now)
 
 
 def _unique_name(name: str) -> str:

@@ -223,11 +223,14 @@ def test_sidecar_listens_on_the_pod_ip_at_its_named_metrics_port() -> None:
     assert ports[METRICS_PORT_NAME]["containerPort"] == int(options["port"])
 
 
-@pytest.mark.parametrize("probe", ["livenessProbe", "readinessProbe"])
-def test_sidecar_probe_hits_healthz_on_the_metrics_port(probe: str) -> None:
+@pytest.mark.parametrize(("probe", "path"), [("livenessProbe", "/healthz"),
+                                           ("readinessProbe", "/v1/ready")])
+def test_sidecar_probe_hits_its_path_on_the_metrics_port(probe: str, path: str) -> None:
+    """Liveness: the sidecar serves. Readiness: the engine is neither wedged nor silent
+    (the pod leaves the Service's endpoints, the sidecar is not restarted)."""
     sidecar = _sidecar()
     get = sidecar[probe]["httpGet"]
-    assert get["path"] == "/healthz"
+    assert get["path"] == path
     by_name = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
     port = by_name[get["port"]] if isinstance(get["port"], str) else get["port"]
     assert port == by_name[METRICS_PORT_NAME]

@@ -109,6 +109,10 @@ CONTRACT: dict[str, Metric] = {
     "kvguard_offload_waiting_requests": _m("gauge", *ENGINE, offload=True),
     "kvguard_offload_verdict": _m("gauge", *ENGINE, "verdict", offload=True,
                                   verdict=("ok", "stuck", "tier_mismatch")),
+    # The wedge verdict (issue 54): every vLLM engine exports these.
+    "kvguard_engine_wedged": _m("gauge", *ENGINE),
+    "kvguard_wedge_verdicts_total": _m("counter", *ENGINE),
+    "kvguard_wedge_dead_blocks": _m("gauge", *ENGINE),
 }
 # The sidecar's own operational series: in docs/operator-guide.md, no dashboard panel.
 OPERATIONAL: dict[str, Metric] = {

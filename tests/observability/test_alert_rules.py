@@ -39,6 +39,8 @@ EXPECTED_ALERTS = {
     "KvguardSidecarDown": "warning",
     "KvguardEngineNotReporting": "warning",
     "KvguardNoAudit": "warning",
+    # an engine wedged by dead owners (group kvguard-wedge)
+    "KvguardEngineWedged": "critical",
 }
 PD_RECORDS = {
     "namespace_model_name:kvguard_kv_transfers_read:increase15m",

@@ -46,11 +46,13 @@ def until(cond: Callable[[], bool], what: str) -> None:
 
 
 def subscriber(pub: ZmqEventPublisher, pub_ep: str, replay_ep: str | None,
-               drop: Callable[[int, bool], bool] | None = None) -> tuple[KvEventSubscriber, int]:
+               drop: Callable[[int, bool], bool] | None = None, *,
+               replay_timeout_seconds: float = 2.0) -> tuple[KvEventSubscriber, int]:
     """A subscriber whose SUB connection is up (ZMQ's slow joiner: empty batches are
     published until one arrives on SUB); returns it and the next sequence number."""
     sub = KvEventSubscriber(SubscriberOptions(endpoint=pub_ep, replay_endpoint=replay_ep,
-                                              medium="GPU", tail_give_up_seconds=1.0),
+                                              medium="GPU", tail_give_up_seconds=1.0,
+                                              replay_timeout_seconds=replay_timeout_seconds),
                             input_filter=drop)
     sub.start(timeout=30)
     return sub, connect(pub, sub, 0)
@@ -250,7 +252,8 @@ def test_a_replay_endpoint_that_never_answers_gives_the_missing_batch_up_as_lost
     silent.bind(rep_ep)
     pub = ZmqEventPublisher(0, endpoint=pub_ep)
     last = [1 << 62]
-    sub, first = subscriber(pub, pub_ep, rep_ep, drop=lambda seq, _r: seq != last[0])
+    sub, first = subscriber(pub, pub_ep, rep_ep, drop=lambda seq, _r: seq != last[0],
+                            replay_timeout_seconds=0.3)
     last[0] = first + 2
     replays, lost = sub.replays_total, sub.lost_batches_total  # a probe SUB missed is lost
     try:

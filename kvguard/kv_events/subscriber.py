@@ -2,17 +2,23 @@
 
 A ZMQ SUB socket connected to the engine's PUB endpoint, on a daemon thread that owns both
 its sockets (ZMQ sockets are not thread-safe). Each message is ``(topic, seq, payload)``: an
-8-byte big-endian sequence number per batch and a msgpack ``KVEventBatch``, decoded with
-vLLM's own types (:func:`decode_batch`; vLLM is imported when the thread starts). Batches go
+8-byte big-endian sequence number per batch and a msgpack ``KVEventBatch``, decoded without
+vLLM (:func:`~kvguard.kv_events.wire.decode_batch`: the sidecar's image has neither vLLM nor
+torch; pyzmq and msgspec are kvguard's own dependencies). Batches go
 into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
 
 * **gap** (a batch arrives after ``last_seq + 1``): ask the engine's ROUTER replay endpoint
   for everything from ``last_seq + 1`` (request ``[b"", start_seq]``; it streams buffered
-  batches, then an end marker of eight 0xff bytes) and apply what closes the gap. Batches
-  replay cannot give back (evicted from vLLM's bounded buffer, or no replay endpoint) are
-  **lost**: the mirror goes on after them and records the range in ``gaps`` (``gap_open``
-  stays set until the mirror is known complete again: a clear, a restart, or a consistent
-  comparison, :meth:`KvEventSubscriber.mark_in_sync`).
+  batches, then an end marker of eight 0xff bytes) and apply what closes the gap. An answer
+  that stops early (vLLM 0.32's ROUTER keeps ZMQ's default send high-water mark of 1000, so
+  a long replay loses its tail, end marker included, or a run in its middle) is
+  **truncated** (``replays_truncated_total``) and resumed from the last applied batch + 1,
+  as long as each answer brings new batches (:meth:`KvEventSubscriber._replay`). Batches
+  are **lost** only when vLLM's bounded buffer no longer holds them (an answer starts past
+  them), when an answer brings nothing new, or when there is no replay endpoint: the mirror
+  goes on after them and records the range in ``gaps`` (``gap_open`` stays set until the
+  mirror is known complete again: a clear, a restart, or a consistent comparison,
+  :meth:`KvEventSubscriber.mark_in_sync`).
 * **tail** (the engine says a batch was published that never arrived,
   :meth:`KvEventSubscriber.want_through`): the same replay, asked from the thread.
 * **restart** (vLLM numbers batches per process, from 0, with no epoch): a SUB message whose
@@ -35,7 +41,6 @@ repair, dropping a sequence number on both paths models one replay cannot give b
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import threading
@@ -43,10 +48,10 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from kvguard.kv_events.digest import block_key
-from kvguard.kv_events.mirror import Cleared, Event, Mirror, Removed, Stored
+from kvguard.kv_events.mirror import Cleared, Mirror
+from kvguard.kv_events.wire import decode_batch
 
 log = logging.getLogger("kvguard.kv_events")
 
@@ -54,9 +59,6 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """vLLM's end-of-replay marker."""
 
 MAX_GAPS_KEPT = 16
-
-REPLAY_ATTEMPTS = 3
-"""Replay requests per gap before the batches still missing count as lost."""
 
 RECENT_BATCHES = 4096
 """Applied batches whose payload hash is kept, to tell a duplicate from a restarted engine's."""
@@ -71,16 +73,21 @@ class SubscriberOptions:
     topic: str = ""
     medium: str | None = None
     replay_timeout_seconds: float = 2.0
-    """Longest wait for the next replayed message before the replay is given up."""
+    """Longest wait for the first message of a replay's answer (none by then: the publisher
+    does not answer, and the replay brings nothing)."""
+    replay_gap_seconds: float = 0.25
+    """Longest silence between two messages of one answer before it counts as ended without
+    its end marker (truncated): vLLM streams a replay in one loop, and a truncated answer is
+    resumed, so a short wait costs at most one more request."""
     poll_seconds: float = 0.05
     tail_retry_seconds: float = 0.5
     """How long a batch the engine says it published may stay missing before a replay."""
     tail_give_up_seconds: float = 3.0
     """After this long missing (replays included), the batch counts as lost."""
     receive_hwm: int = 0
-    """ZMQ receive high-water mark of the SUB socket (0: unbounded, never drop on this side;
-    the publisher's ``hwm`` then rules). A bounded one makes a slow subscriber lose batches
-    the way a slow router does."""
+    """ZMQ receive high-water mark of the SUB and replay sockets (0: unbounded, never drop
+    on this side; the publisher's ``hwm`` and its ROUTER's then rule). A bounded one makes a
+    slow subscriber lose batches, and cut its replays short, the way a slow router does."""
 
 
 def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
@@ -92,23 +99,19 @@ def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
     return endpoint
 
 
-def decode_batch(payload: bytes, decoder: Any) -> list[Event]:
-    """One ``KVEventBatch`` payload as mirror events (token ids dropped, counts kept)."""
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+class ReplayAnswer(NamedTuple):
+    """One replay request's answer: the batches it brought that the mirror lacks, by sequence
+    number, and whether vLLM's end marker arrived."""
 
-    batch = decoder.decode(payload)
-    out: list[Event] = []
-    for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            g = ev.group_idx
-            parent = None if ev.parent_block_hash is None else block_key(g, ev.parent_block_hash)
-            out.append(Stored([block_key(g, h) for h in ev.block_hashes], parent,
-                              len(ev.token_ids), ev.medium))
-        elif isinstance(ev, BlockRemoved):
-            out.append(Removed([block_key(ev.group_idx, h) for h in ev.block_hashes], ev.medium))
-        elif isinstance(ev, AllBlocksCleared):
-            out.append(Cleared())
-    return out
+    batches: dict[int, bytes]
+    ended: bool
+
+    @property
+    def truncated(self) -> bool:
+        """It brought batches but stopped early: no end marker, or a hole between them."""
+        if not self.batches:
+            return False
+        return not self.ended or max(self.batches) - min(self.batches) + 1 != len(self.batches)
 
 
 class KvEventSubscriber:
@@ -126,6 +129,9 @@ class KvEventSubscriber:
         self.filtered_total = 0
         self.duplicates_total = 0
         self.replays_total = 0
+        """Replay requests sent."""
+        self.replays_truncated_total = 0
+        """Replay answers that stopped early (:attr:`ReplayAnswer.truncated`), each resumed."""
         self.replayed_batches_total = 0
         self.lost_batches_total = 0
         self.restarts_total = 0
@@ -147,12 +153,7 @@ class KvEventSubscriber:
                                         name=f"kvguard-kv-events-{opts.endpoint[-40:]}")
 
     def start(self, timeout: float = 5.0) -> None:
-        """Start the thread; returns once its SUB socket is connected (or ``timeout`` s).
-
-        Imports vLLM's event types first, on the calling thread (seconds, once per process:
-        vLLM imports torch), so that the SUB socket connects as soon as the thread runs."""
-        with contextlib.suppress(ImportError):  # the thread says why in ``error``
-            import vllm.distributed.kv_events  # noqa: F401
+        """Start the thread; returns once its SUB socket is connected (or ``timeout`` s)."""
         self._thread.start()
         self._ready.wait(timeout)
 
@@ -181,12 +182,10 @@ class KvEventSubscriber:
     # ------------------------------------------------------------ thread
     def _run(self) -> None:
         try:
-            import msgspec
             import zmq
-            from vllm.distributed.kv_events import KVEventBatch
         except ImportError as exc:
-            self.error = (f"cannot decode vLLM's KV events here ({exc}); install vllm in the "
-                          "sidecar's environment")
+            self.error = (f"cannot follow vLLM's KV events here ({exc}); install pyzmq (a "
+                          "dependency of kvguard) in the sidecar's environment")
             self._ready.set()
             return
         ctx = zmq.Context()
@@ -196,15 +195,14 @@ class KvEventSubscriber:
             sub.setsockopt(zmq.RCVHWM, self.opts.receive_hwm)
             sub.connect(connect_address(self.opts.endpoint))
             self._ready.set()
-            decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
             poll_ms = int(self.opts.poll_seconds * 1000)
             while not self._stop.is_set():
                 if sub.poll(poll_ms):
                     frames = sub.recv_multipart()
                     if len(frames) == 3:
-                        self._on_sub(int.from_bytes(frames[1], "big"), frames[2], ctx, decoder)
+                        self._on_sub(int.from_bytes(frames[1], "big"), frames[2], ctx)
                 else:
-                    self._check_tail(ctx, decoder)
+                    self._check_tail(ctx)
         except Exception as exc:  # the sidecar goes on; the mirror is reported broken
             self.error = f"{type(exc).__name__}: {exc}"
             log.error("kvguard KV-event subscriber for %s stopped: %s", self.opts.endpoint,
@@ -214,7 +212,7 @@ class KvEventSubscriber:
             sub.close(linger=0)
             ctx.term()
 
-    def _on_sub(self, seq: int, payload: bytes, ctx: Any, decoder: Any) -> None:
+    def _on_sub(self, seq: int, payload: bytes, ctx: Any) -> None:
         self.received_total += 1
         if self.input_filter is not None and not self.input_filter(seq, False):
             self.filtered_total += 1
@@ -235,16 +233,16 @@ class KvEventSubscriber:
             self.duplicates_total += 1  # already applied from a replay
             return
         if seq > last + 1:
-            self._replay(last + 1, ctx, decoder)
+            self._replay(seq - 1, ctx)
             last = self.mirror.last_seq
             if seq <= last:
                 self.duplicates_total += 1
                 return
             if seq > last + 1:
                 self._lose(last + 1, seq - 1)
-        self._apply(seq, payload, decoder)
+        self._apply(seq, payload)
 
-    def _check_tail(self, ctx: Any, decoder: Any) -> None:
+    def _check_tail(self, ctx: Any) -> None:
         with self.lock:
             wanted, since = self._wanted, self._wanted_since
         if wanted <= self.mirror.last_seq:
@@ -254,53 +252,72 @@ class KvEventSubscriber:
                 now - self._last_tail_replay < self.opts.tail_retry_seconds:
             return
         self._last_tail_replay = now
-        self._replay(self.mirror.last_seq + 1, ctx, decoder)
+        self._replay(wanted, ctx)
         last = self.mirror.last_seq
         if last < wanted and now - since >= self.opts.tail_give_up_seconds:
             self._lose(last + 1, wanted)
 
-    def _replay(self, start: int, ctx: Any, decoder: Any) -> None:
-        """Ask for every buffered batch from ``start`` on and apply them in order. A hole in
-        what comes back (the ROUTER drops at its high-water mark too) is asked for again, up
-        to ``REPLAY_ATTEMPTS`` times; a batch still missing between two returned ones is then
-        lost (the ones after it still apply)."""
+    def _replay(self, through: int, ctx: Any) -> None:
+        """Bring the mirror up to batch ``through`` from the replay endpoint, as far as vLLM's
+        buffer allows. Each request asks for everything from ``last_seq + 1``:
+
+        * an answer that stops early (truncated: its tail, end marker included, or a run in
+          its middle dropped at the ROUTER's high-water mark) is applied as far as it is
+          contiguous and **resumed** from there by the next request;
+        * an answer that starts past ``last_seq + 1``: vLLM's buffer no longer holds the
+          batches before its first one; they are lost (:meth:`_lose`) and the rest applies;
+        * an answer that brings nothing new (the publisher does not answer, or its buffer has
+          nothing from there on) ends the replay: the caller decides what is lost.
+
+        Every request but the last advances ``last_seq``, so the number of requests is
+        bounded by the batches still to get, never by a fixed count. Batches of an answer
+        after a hole are kept for the next one (it may bring only the hole)."""
         if self.opts.replay_endpoint is None:
             return
-        got: dict[int, bytes] = {}
-        for _ in range(REPLAY_ATTEMPTS):
-            got.update(self._fetch_replay(start, ctx))
-            while self.mirror.last_seq + 1 in got:
+        kept: dict[int, bytes] = {}
+        while self.mirror.last_seq < through and not self._stop.is_set():
+            start = self.mirror.last_seq + 1
+            answer = self._fetch_replay(start, ctx)
+            if answer.truncated:
+                self.replays_truncated_total += 1
+            if not answer.batches:
+                return
+            first = min(answer.batches)
+            if first > start:  # ``kept`` never holds ``start``: it would have applied
+                self._lose(start, first - 1)
+            kept.update(answer.batches)
+            while self.mirror.last_seq + 1 in kept:
                 seq = self.mirror.last_seq + 1
                 self.replayed_batches_total += 1
-                self._apply(seq, got.pop(seq), decoder)
-            got = {s: p for s, p in got.items() if s > self.mirror.last_seq}
-            if not got:
-                return
-            start = self.mirror.last_seq + 1  # a hole before later batches: ask again
-        for seq in sorted(got):
-            last = self.mirror.last_seq
-            if seq > last + 1:
-                self._lose(last + 1, seq - 1)
-            self.replayed_batches_total += 1
-            self._apply(seq, got[seq], decoder)
+                self._apply(seq, kept.pop(seq))
+            kept = {q: b for q, b in kept.items() if q > self.mirror.last_seq}
 
-    def _fetch_replay(self, start: int, ctx: Any) -> dict[int, bytes]:
-        """One replay request: the batches it returns, by sequence number."""
+    def _fetch_replay(self, start: int, ctx: Any) -> ReplayAnswer:
+        """One replay request from ``start``: the batches the mirror lacks, and whether the
+        answer ended with vLLM's end marker (see :class:`SubscriberOptions` for the waits)."""
         import zmq
 
         assert self.opts.replay_endpoint is not None
         self.replays_total += 1
         got: dict[int, bytes] = {}
+        ended = False
         sock = ctx.socket(zmq.DEALER)
         try:
-            sock.setsockopt(zmq.RCVHWM, 0)  # take the whole replay; never drop on this side
+            # 0 (the default): take the whole answer, whatever the reader's pace. A bounded
+            # mark holds the ROUTER back while this thread does not read, and the ROUTER
+            # then drops at its own mark, as it does for a router with a small queue.
+            sock.setsockopt(zmq.RCVHWM, self.opts.receive_hwm)
             sock.connect(connect_address(self.opts.replay_endpoint))
             sock.send_multipart([b"", start.to_bytes(8, "big")])
             timeout_ms = int(self.opts.replay_timeout_seconds * 1000)
             while sock.poll(timeout_ms):
+                timeout_ms = int(self.opts.replay_gap_seconds * 1000)
                 frames = sock.recv_multipart()
-                if len(frames) != 4 or frames[2] == END_SEQ:
+                if len(frames) == 4 and frames[2] == END_SEQ:
+                    ended = True
                     break
+                if len(frames) != 4:
+                    continue
                 seq = int.from_bytes(frames[2], "big")
                 if self.input_filter is not None and not self.input_filter(seq, True):
                     self.filtered_total += 1
@@ -309,7 +326,7 @@ class KvEventSubscriber:
                     got[seq] = frames[3]
         finally:
             sock.close(linger=0)
-        return got
+        return ReplayAnswer(got, ended)
 
     def _lose(self, first: int, last: int) -> None:
         with self.lock:
@@ -321,10 +338,10 @@ class KvEventSubscriber:
                     "them back); the mirror may now differ from the engine", first, last,
                     self.opts.endpoint)
 
-    def _apply(self, seq: int, payload: bytes, decoder: Any) -> None:
+    def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            events = decode_batch(payload, decoder)
-        except Exception:
+            events = decode_batch(payload)
+        except Exception:  # a malformed batch still takes its place in the sequence
             self.decode_errors_total += 1
             events = []
         with self.lock:

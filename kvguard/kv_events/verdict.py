@@ -10,7 +10,9 @@ Verdicts (:class:`KvEventsVerdict`), the first that applies:
 
 ``pending``
     Nothing to compare yet: no snapshot, the snapshot was read with events still queued in
-    the engine, or the mirror has not received batch ``last_seq`` yet.
+    the engine (after a ``reset_prefix_cache`` at idle, its ``AllBlocksCleared`` waits for
+    vLLM's next step: the check before the reset no longer holds), or the mirror has not
+    received batch ``last_seq`` yet.
 ``consistent``
     Mirror and pool hold the same blocks.
 ``cleared_missed``
@@ -107,7 +109,10 @@ def judge(snapshot: KvEventsSnapshot | None, view: MirrorView | None, facts: Mir
     if not snap.comparable:
         return check(KvEventsVerdict.PENDING, (
             f"the pool was read with {snap.pending_events} event(s) queued in the engine "
-            "and not yet published; the next drained checkpoint is compared"))
+            "and not yet published (vLLM publishes them at its next step; a "
+            "reset_prefix_cache at idle leaves its AllBlocksCleared queued until then): the "
+            "pool and the mirror are compared again at the first drained checkpoint after "
+            "that step"))
     if view is None:
         return check(KvEventsVerdict.PENDING, (
             f"the mirror has batches up to {facts.last_seq}, the pool was read at batch "

@@ -15,6 +15,8 @@ name                                           type    meaning
 ``kvguard_kv_events_batches_received_total``   counter batches applied (SUB and replay)
 ``kvguard_kv_events_batches_lost_total``       counter batches replay could not give back
 ``kvguard_kv_events_replays_total``            counter replay requests sent to the engine
+``kvguard_kv_events_replays_truncated_total``  counter replay answers that stopped early (no
+                                                       end marker, or a hole), each resumed
 ``kvguard_kv_events_restarts_total``           counter sequence restarts seen (engine restarts)
 ``kvguard_kv_events_gap_open``                 gauge   1 while lost batches may still matter
 =============================================  ======= =============================================
@@ -51,6 +53,9 @@ def kv_events_families(store: EngineStore, labels: tuple[str, ...]) -> Iterator[
     replays = CounterMetricFamily("kvguard_kv_events_replays",
                                   "Replay requests sent to the engine's ROUTER endpoint.",
                                   labels=eng)
+    truncated = CounterMetricFamily("kvguard_kv_events_replays_truncated",
+                                    "Replay answers that stopped early (no end marker, or a "
+                                    "hole between batches); each is resumed.", labels=eng)
     restarts = CounterMetricFamily("kvguard_kv_events_restarts",
                                    "KV-event sequence restarts seen (engine restarts).",
                                    labels=eng)
@@ -68,10 +73,12 @@ def kv_events_families(store: EngineStore, labels: tuple[str, ...]) -> Iterator[
             applied = sub.mirror.batches_applied
             n_lost, n_replays, n_restarts = (sub.lost_batches_total, sub.replays_total,
                                              sub.restarts_total)
+            n_truncated = sub.replays_truncated_total
             is_open = sub.gap_open
         received.add_metric(ids, float(applied))
         lost.add_metric(ids, float(n_lost))
         replays.add_metric(ids, float(n_replays))
+        truncated.add_metric(ids, float(n_truncated))
         restarts.add_metric(ids, float(n_restarts))
         gap_open.add_metric(ids, 1.0 if is_open else 0.0)
         check = watch.checks.get(name)
@@ -83,4 +90,4 @@ def kv_events_families(store: EngineStore, labels: tuple[str, ...]) -> Iterator[
             blocks.add_metric([*ids, "matched"], float(check.mirror_blocks - check.stale_blocks))
             blocks.add_metric([*ids, "stale"], float(check.stale_blocks))
             blocks.add_metric([*ids, "missing"], float(check.missing_blocks))
-    yield from (blocks, verdict, received, lost, replays, restarts, gap_open)
+    yield from (blocks, verdict, received, lost, replays, truncated, restarts, gap_open)

@@ -9,7 +9,10 @@ Two things, both on the scheduler thread, both contained (a failure is counted i
   increment per step that has events), so ``batches_published - 1`` is the sequence number of
   the last batch handed over, known on the engine thread without reading the publisher's
   thread. It also wraps ``BlockPool.reset_prefix_cache`` (rare) to learn which batch carries
-  each ``AllBlocksCleared``.
+  each ``AllBlocksCleared``, and asks the engine's guard for a checkpoint right away: vLLM
+  publishes the clear only at its next step, so an idle engine would otherwise leave the
+  pre-reset comparison standing as the current one; the checkpoint reads the pool with the
+  clear still queued (``pending_events``), which the sidecar reports as ``pending``.
 * **The pool's hashed blocks** at a drained checkpoint (:meth:`KvEventTap.snapshot`): the keys
   of ``BlockPool.cached_block_hash_to_block`` converted to the form the events carry (vLLM's
   own ``get_group_id`` and ``maybe_convert_block_hash``), their count and digest
@@ -41,6 +44,7 @@ class KvEventTap:
         from vllm import envs
         from vllm.distributed.kv_events import AllBlocksCleared
 
+        self._scheduler = scheduler
         publisher = scheduler.kv_event_publisher
         config = publisher.get_publisher_config()
         self.endpoint: str = str(config.endpoint)
@@ -86,9 +90,24 @@ class KvEventTap:
             if done and getattr(pool, "enable_kv_cache_events", False):
                 self._clear_queued = True
                 self.clears_total += 1
+                self._checkpoint_soon()
             return done
 
         pool.reset_prefix_cache = reset_prefix_cache
+
+    def _checkpoint_soon(self) -> None:
+        """Ask the guard (set on the scheduler by ``attach``) for a checkpoint, and wake an
+        idle engine for it (engine thread: ``reset_prefix_cache`` runs there)."""
+        try:
+            guard = getattr(self._scheduler, "_kvguard", None)
+            if guard is None:
+                return
+            guard.request_checkpoint()
+            waker = guard.idle_waker
+            if waker is not None:
+                waker.wake_after(0.0)
+        except Exception:
+            self.errors_total += 1
 
     def snapshot(self, checkpoint_id: int, taken_at: float) -> KvEventsSnapshot:
         """The pool's hashed blocks now, at batch ``batches_published - 1``. Engine thread."""

@@ -236,13 +236,31 @@ def test_blockremoved_never_published_leaves_a_stale_mirror_naming_the_evicted_b
 
 def test_reset_prefix_cache_clears_the_mirror_and_one_that_misses_the_clear_is_cleared_missed(
         ks: KvServer) -> None:
+    """At idle, ``reset_prefix_cache`` empties vLLM's pool at once, but its
+    ``AllBlocksCleared`` waits in the pool's event queue for vLLM's next step: until then the
+    verdict is ``pending`` (the pre-reset comparison no longer describes the pool)."""
     clear_seq = batches_published(ks)  # idle: the next batch carries AllBlocksCleared
     before = ks.truth_keys()
     ok = watch(ks)
     missed = watch(ks, drop=lambda seq, _replayed: seq != clear_seq)
     try:
+        st, _ = judged(ks, ok)  # the pre-reset comparison (stale: the test before left a loss)
         ks.reset_prefix_cache()
+        truth = ks.truth()
         assert before and not ks.truth_keys()  # vLLM's pool dropped every hash
+        assert truth["pending"] == 1 and truth["batches"] == clear_seq  # queued, unpublished
+        idle_checkpoint = st.kv_events.snapshot.checkpoint_id  # type: ignore[union-attr]
+        wait_for(lambda: (s := ks.state()) is not None and s.kv_events is not None
+                 and s.kv_events.snapshot is not None
+                 and s.kv_events.snapshot.checkpoint_id > idle_checkpoint,
+                 "the checkpoint the reset asks for")
+        at_idle = ks.state()
+        assert at_idle is not None
+        ok.update([at_idle])
+        check = ok.checks[ENGINE]
+        assert check.verdict is KvEventsVerdict.PENDING, check.explanation
+        assert check.checkpoint_id != idle_checkpoint and "AllBlocksCleared" in check.explanation
+        assert ks.truth()["batches"] == clear_seq  # still nothing published: no step ran
         ks.run(prompts(10, 3))
         st, check = judged(ks, ok)
         snap = st.kv_events.snapshot  # type: ignore[union-attr]

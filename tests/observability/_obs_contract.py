@@ -126,6 +126,7 @@ OPERATIONAL: dict[str, Metric] = {
     # The KV-event mirror check: only engines run with --kv-events-config export these.
     "kvguard_kv_events_batches_received_total": _m("counter", *ENGINE),
     "kvguard_kv_events_restarts_total": _m("counter", *ENGINE),
+    "kvguard_kv_events_replays_truncated_total": _m("counter", *ENGINE),
     "kvguard_kv_events_gap_open": _m("gauge", *ENGINE),
     # Findings in the requests' traces (kvguard/tracing): only engines with an OTLP endpoint.
     "kvguard_trace_spans_exported_total": _m("counter", *ENGINE),

@@ -15,7 +15,7 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /dist .
 
 FROM python:3.12-slim
 # The wheel by path (never a "kvguard" from an index); its dependencies (pydantic,
-# prometheus-client, FastAPI, uvicorn) at the versions CI tests (scripts/constraints.txt).
+# prometheus-client, FastAPI, uvicorn, pyzmq, msgspec) at the versions CI tests (scripts/constraints.txt).
 COPY scripts/constraints.txt /tmp/constraints.txt
 COPY --from=wheel /dist/ /tmp/kvguard-dist/
 RUN pip install --no-cache-dir --constraint /tmp/constraints.txt /tmp/kvguard-dist/kvguard-*.whl \

@@ -208,7 +208,8 @@ def test_abba_reverses_the_order_every_other_round() -> None:
 
 def _pd_run(pair: int, side: str, wall: float, lapses: float = 0.0) -> dict[str, Any]:
     return {"pair": pair, "side": side, "wall_s": wall, "decode_ttft_s": [0.1, 0.2],
-            "lapses": lapses, "late_reads": 0.0, "kvguard_loaded": side != "off"}
+            "lapses": lapses, "late_reads": 0.0, "kvguard_loaded": side != "off",
+            "lapse_lines": 0}
 
 
 def test_pd_verdict_is_the_median_paired_wall_ratio_and_kvguards_own_lapses() -> None:
@@ -231,6 +232,9 @@ def test_pd_verdict_is_the_median_paired_wall_ratio_and_kvguards_own_lapses() ->
     runs[0] = _pd_run(0, "off", 5.0)
     s = pd.summarize(runs, ["off", "on"])["on"]
     assert s["lapse_pairs_without_off_lapse"] == 1 and s["verdict"] == "FAIL"
+    # A lapse vLLM logged outside the workload's counter window (the handshake) counts.
+    runs[1] = {**_pd_run(0, "on", 5.0), "lapse_lines": 1}
+    assert pd.summarize(runs, ["off", "on"])["on"]["lapse_pairs"] == [0]
     # 6 % slower in every pair fails.
     runs = [r for i in range(3) for r in (_pd_run(i, "off", 5.0), _pd_run(i, "on", 5.3))]
     assert pd.summarize(runs, ["off", "on"])["on"]["verdict"] == "FAIL"

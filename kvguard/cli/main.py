@@ -52,8 +52,13 @@ def _cmd_report(args: argparse.Namespace) -> int:
         _print_links(link_transfers({s.engine: s for s in states}), as_json=args.json)
         return 0
     if args.json:
-        payload = [s.latest_report.model_dump(mode="json") if s.latest_report else
-                   {"engine": s.engine, "verdict": None} for s in states]
+        # Per engine: its latest report, and beside it what is judged online (the offload
+        # audit, the wedge verdict) and which features are off for a missing hook.
+        payload = [{**(s.latest_report.model_dump(mode="json") if s.latest_report else
+                       {"engine": s.engine, "verdict": None}),
+                    "offload": s.offload.model_dump(mode="json") if s.offload else None,
+                    "wedge": s.wedge.model_dump(mode="json") if s.wedge else None,
+                    "hooks_missing": list(s.hooks_missing)} for s in states]
         print(json.dumps(payload, indent=2))
     else:
         print("\n\n".join(render_state(s) for s in states))

@@ -7,8 +7,10 @@ tier (CPU memory) and back. Its failures do not always leak a pool block:
   *fenced*: re-allocating one flushes the store first), but the job stays in flight
   forever. vLLM then keeps stepping (``has_pending_push_work``), so the engine never goes
   idle again, the job's tier chunks stay write-pending, and a later request with the same
-  prefix waits for them forever (``HIT_PENDING``) holding no block. A pool audit says
-  ``clean``; only the jobs say what is wrong.
+  prefix waits for them forever (``HIT_PENDING``) holding no block. kvguard's drained
+  checkpoints still come (drained means no live request, not an idle engine): their pool
+  audit says ``clean``, and their explanation names the stuck job; only the jobs say what
+  is wrong.
 * A **lost load completion** does hold blocks (the request waits in
   ``WAITING_FOR_REMOTE_KVS``, or, aborted, stays ``FINISHED_ABORTED``): the pool audit
   names it (``finished_request``, path ``delayed_free``); the jobs say which job.
@@ -228,10 +230,11 @@ class OffloadAudit:
                  f"{head.fenced_blocks} fenced pool block(s)."]
         if stores:
             lines.append(
-                "A store job that never completes leaks no pool block, but the engine keeps "
-                "stepping for it (vLLM: has_pending_push_work), so it never goes idle and no "
-                "drained checkpoint can happen; its chunks stay write-pending, and every "
-                "re-allocation of a fenced block flushes it again.")
+                "A store job that never completes leaks no pool block, but vLLM keeps stepping "
+                "for it (has_pending_push_work), so the engine never goes idle. kvguard still "
+                "audits the pool whenever no request is live (a drained checkpoint needs no "
+                "idle engine), and those reports carry this job; its chunks stay "
+                "write-pending, and every re-allocation of a fenced block flushes it again.")
         if waiting:
             names = ", ".join(w.client_request_id or w.request_id for w in waiting[:5])
             lines.append(f"{len(waiting)} request(s) wait for those chunks and will wait "

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvguard.core.offload import OffloadState
 from kvguard.core.report import CheckpointReport
 from kvguard.core.transfer_links import TransferLink
 from kvguard.core.transfers import TransfersState
 from kvguard.core.trend import TrendVerdict
+from kvguard.core.wedge_monitor import WedgeState
 from kvguard.kv_events.verdict import KvEventsCheck
 from kvguard.transport.state import CostState, OnlineState
 
@@ -65,6 +67,19 @@ class EngineReport(_Model):
                                   "the engine's KV events, compared with the pool at the last "
                                   "drained checkpoint (null when the engine publishes no KV "
                                   "events or the sidecar does not watch them).")
+    offload: OffloadState | None = Field(
+        default=None, description="The offload job audit, online (stuck jobs with kind, "
+                                  "request, age, chunks and fenced blocks; the requests "
+                                  "waiting on them; the tier by state); null without an "
+                                  "offloading KV connector.")
+    wedge: WedgeState | None = Field(
+        default=None, description="The wedge verdict (requests waiting behind blocks dead "
+                                  "owners hold; /v1/ready answers 503 while it says wedged); "
+                                  "null when the engine integration does not read what waits.")
+    hooks_missing: list[str] = Field(
+        default_factory=list, description="Hook points this vLLM lacks, each with the feature "
+                                          "that is off for it (`<hook> (off: <feature>)`): "
+                                          "empty on a tested vLLM.")
 
 
 class ReportsResponse(_Model):

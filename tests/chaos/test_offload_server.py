@@ -9,6 +9,8 @@ server would select it. vLLM's own ``/metrics`` is the truth for what was stored
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -17,10 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from kvguard.chaos.harness import prompt
 from kvguard.core.offload import OffloadState, OffloadVerdict
 from kvguard.core.state import EngineState
+from kvguard.sidecar.app import create_app
+from kvguard.sidecar.store import EngineStore
 from kvguard.testing.engine import EngineSpec, ServerProcess
 from kvguard.testing.offload_spec import offload_transfer_config
 from kvguard.testing.tiny_model import make_tiny_model
@@ -98,5 +103,37 @@ def test_a_server_whose_stores_never_complete_is_named_stuck_with_its_waiter(
         assert _vllm_metric(server.base_url, "vllm:num_requests_waiting") == 1
         assert _vllm_metric(server.base_url, "vllm:num_requests_running") == 0
         assert _vllm_metric(server.base_url, "vllm:external_prefix_cache_hits_total") == 0
+        # The operator's views carry the same stuck job online, while the server still
+        # serves (no drained report needed): the sidecar's /v1/report and the CLI's JSON.
+        with TestClient(create_app(EngineStore(run_dir), poll_interval_seconds=60)) as c:
+            (eng,) = c.get("/v1/report").json()["engines"]
+        cli = subprocess.run([sys.executable, "-m", "kvguard.cli.main", "report", "--json",
+                              "--run-dir", str(run_dir)], capture_output=True, text=True,
+                             check=True)
+        (item,) = json.loads(cli.stdout)
+        for view in (eng["offload"], item["offload"]):
+            assert view["verdict"] == "stuck" and view["waiting_requests"] == 1, view
+            assert {j["job_id"] for j in view["stuck"]} >= {j.job_id for j in state.stuck}
+            assert all(j["kind"] == "store" and j["fenced_blocks"] >= 0 and j["chunks"] > 0
+                       for j in view["stuck"])
         t.join(timeout=30)
         assert errors, "the same-prefix request should never have completed"
+        # vLLM keeps stepping for the lost store (the engine never idles), yet once the
+        # waiter is gone no request is live: kvguard's drained checkpoint comes, its pool
+        # audit is not a leak, and its explanation names the stuck job.
+        def drained() -> Any:
+            try:
+                st = EngineState.model_validate_json(state_path(run_dir, ENGINE).read_text())
+            except (OSError, ValueError):
+                return None
+            return next((r for r in reversed(st.reports) if r.verdict.value != "skipped"
+                         and "Offload path" in r.explanation), None)
+        deadline = time.monotonic() + 60
+        report = drained()
+        while report is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            report = drained()
+        assert report is not None, "no drained checkpoint after the waiter left"
+        assert report.verdict.value in ("clean", "saturated"), report.verdict
+        assert "offload job(s) in flight past" in report.explanation and _vllm_metric(
+            server.base_url, "vllm:num_requests_running") == 0

@@ -2,11 +2,26 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 from kvguard.core.findings import Finding, Reconciliation
 from kvguard.core.online import SweepResult
 from kvguard.core.report import CheckpointReport, LeakReport, OnlineSweepReport
 from kvguard.core.types import Evidence, Verdict
 from kvguard.core.verdict import decide, decide_online, skipped_explanation
+
+
+class ReportStamp(TypedDict):
+    """What every report of one engine carries to say where and when it was made: the
+    engine's next checkpoint id (every report, drained or not, takes one), its name and
+    run (``epoch``), and the Unix time (s) it was taken. Made in one place,
+    :meth:`~kvguard.core.session.GuardSession.stamp`, and passed to the builders below as
+    ``**stamp``."""
+
+    checkpoint_id: int
+    engine: str
+    epoch: str
+    taken_at: float
 
 
 def leak_report(f: Finding) -> LeakReport:

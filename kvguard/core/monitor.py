@@ -62,10 +62,11 @@ A sketch (a verdict between steps on requests that wait; zero cost while none do
         def state_section(self) -> StateSection:
             return {}  # e.g. {"wait_watch": WaitWatchState(...)} with its EngineState field
 
-A verdict that deserves a report of its own makes one with ``host.take_id()`` and hands
-it to ``host.record(report)`` (as the online audit does); a part of every drained report
-goes in :meth:`Monitor.on_drained_report`. The ledger (``host.ledger``) names each
-finished request still holding blocks and each hold's deadline: read it, never write it.
+A verdict that deserves a report of its own builds one (:mod:`kvguard.core.checkpoint`)
+with ``**host.stamp(taken_at)`` and hands it to ``host.record(report)`` (as the online
+audit does); a part of every drained report goes in :meth:`Monitor.on_drained_report`.
+The ledger (``host.ledger``) names each finished request still holding blocks and each
+hold's deadline: read it, never write it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ from contextlib import AbstractContextManager
 from typing import NamedTuple, Protocol, TypedDict
 
 from kvguard.config import KvguardConfig
+from kvguard.core.checkpoint import ReportStamp
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.engine import EngineAdapter
 from kvguard.core.hook_errors import HookErrors
@@ -147,6 +149,10 @@ class MonitorHost(Protocol):
 
     def take_id(self) -> int:
         """The next checkpoint id (every report, drained or not, takes one)."""
+
+    def stamp(self, taken_at: float) -> ReportStamp:
+        """A new report's stamp (:class:`~kvguard.core.checkpoint.ReportStamp`: the next
+        checkpoint id, the engine, its epoch, ``taken_at``), made in this one place."""
 
     def record(self, report: CheckpointReport) -> CheckpointReport:
         """Keep ``report`` in the history, tell the monitors (:meth:`Monitor.on_report`),

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kvguard.config import KvguardConfig
-from kvguard.core.checkpoint import build_report, skipped_report
+from kvguard.core.checkpoint import ReportStamp, build_report, skipped_report
 from kvguard.core.cost import CostMeter
 from kvguard.core.drain_check import DrainCheck
 from kvguard.core.drain_model import DrainPrediction
@@ -337,9 +337,7 @@ class GuardSession(MonitorSlots):
                 if blocked.live_work:
                     reason += "; " + self.drain_prediction(now).explanation
                 self._hold_until(blocked.until, now)
-                return self.record(skipped_report(
-                    reason, checkpoint_id=self.take_id(), engine=self.engine,
-                    epoch=self.epoch, taken_at=now))
+                return self.record(skipped_report(reason, **self.stamp(now)))
             if blocked.live_work:
                 self.drain_pending = False  # the next free re-arms it
             else:
@@ -421,9 +419,7 @@ class GuardSession(MonitorSlots):
             return self.record(skipped_report(
                 f"kvguard's ownership records are incomplete ({lost} hook error(s) since the "
                 "last checkpoint, see kvguard_hook_errors_total); it started fresh records "
-                "and judges again at the next drained checkpoint",
-                checkpoint_id=self.take_id(), engine=self.engine, epoch=self.epoch,
-                taken_at=now))
+                "and judges again at the next drained checkpoint", **self.stamp(now)))
         for rid, ids in self.adapter.request_tables().items():
             self.ledger.claim(RequestId(rid), ids)
         for before in self._moments["before_drained_audit"]:
@@ -431,8 +427,7 @@ class GuardSession(MonitorSlots):
         rec = reconcile(self.adapter.read_pool(), self.ledger, ReconcileOptions(
             now=now, delayed_free_bound_seconds=self.delayed_free_bound))
         report = build_report(
-            rec, checkpoint_id=self.take_id(), engine=self.engine, epoch=self.epoch,
-            taken_at=now, saturation_ratio=self.config.saturation_ratio,
+            rec, **self.stamp(now), saturation_ratio=self.config.saturation_ratio,
             audit_seconds=time.perf_counter() - t0)
         self.last_pool = report.pool
         for add_to in self._moments["on_drained_report"]:
@@ -470,6 +465,13 @@ class GuardSession(MonitorSlots):
     def take_id(self) -> int:
         self._next_checkpoint_id += 1
         return self._next_checkpoint_id
+
+    def stamp(self, taken_at: float) -> ReportStamp:
+        """The one place a report is stamped: the next checkpoint id, this engine's name
+        and epoch, and ``taken_at`` (Unix s). Every report (drained, skipped, online)
+        is built with it and kept by :meth:`record`."""
+        return ReportStamp(checkpoint_id=self.take_id(), engine=self.engine,
+                           epoch=self.epoch, taken_at=taken_at)
 
     def record(self, report: CheckpointReport) -> CheckpointReport:
         """Keep ``report``, tell the monitors, count it, log it and publish the state."""

@@ -83,8 +83,7 @@ class OnlineAudit(BaseMonitor):
             return  # nothing new to say
         self._key = key
         host.record(online_report(
-            result, checkpoint_id=host.take_id(), engine=host.engine, epoch=host.epoch,
-            taken_at=time.time(), saturation_ratio=host.config.saturation_ratio,
+            result, **host.stamp(time.time()), saturation_ratio=host.config.saturation_ratio,
             sweep=self._sweep_report(result)))
 
     def _sweep_report(self, result: SweepResult) -> OnlineSweepReport:

@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
 from kvguard.errors import ConfigError, KvguardError
-from kvguard.testing.hang import HangWatch
+from kvguard.testing.hang import HangWatch, write_dump
 from kvguard.testing.ports import LOOPBACK, free_loopback_port
 from kvguard.testing.scheduling import Scheduling, requesting_async, server_env
 from kvguard.testing.warmup import WarmupError, warm_up_engine, warm_up_server
@@ -363,8 +363,12 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.25)
+        # A start that never got healthy is explained like a hang: every thread of the
+        # group (a TP rank that never came up has left its stack there) before the stop.
+        dump = write_dump(self.log_path, process.pid)
         raise ServerStartError(
-            f"not healthy after {self._health_timeout_seconds:.0f} s",
+            f"not healthy after {self._health_timeout_seconds:.0f} s (every thread of its "
+            f"processes: {dump})",
             self.log_path,
             self.log_tail(),
         )

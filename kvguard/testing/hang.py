@@ -144,6 +144,17 @@ def machine_summary() -> str:
     return "\n".join(lines)
 
 
+def write_dump(log_path: Path, pgid: int) -> Path:
+    """Write what the machine was doing and every thread of process group ``pgid`` to
+    ``<log_path>.hang.txt`` (also to stderr); returns that path."""
+    dump = machine_summary() + "\n" + dump_threads(group_pids(pgid))
+    path = log_path.with_name(log_path.name + ".hang.txt")
+    with contextlib.suppress(OSError):
+        path.write_text(dump)
+    sys.stderr.write(f"\n[hang-watch] process group {pgid} ({log_path.name}):\n{dump}\n")
+    return path
+
+
 class HangWatch:
     """Probes one running server; declares it hung, dumps and stops it (see the module)."""
 
@@ -196,12 +207,9 @@ class HangWatch:
                 return
 
     def _declare_hung(self, silent: float) -> None:
-        dump = machine_summary() + "\n" + dump_threads(group_pids(self._pgid))
-        path = self._log_path.with_name(self._log_path.name + ".hang.txt")
-        with contextlib.suppress(OSError):
-            path.write_text(dump)
+        path = write_dump(self._log_path, self._pgid)
         report = HangReport(self._log_path.name, self._pgid, silent, path)
-        sys.stderr.write(f"\n[hang-watch] {report.describe()}\n{dump}\n")
+        sys.stderr.write(f"\n[hang-watch] {report.describe()}\n")
         with _HUNG_LOCK:
             HUNG.append(report)
         with contextlib.suppress(ProcessLookupError):

@@ -284,11 +284,23 @@ def test_decode_aborted_while_waiting_is_a_finding_on_the_decode_side(pair: PdPa
     p_state = state(pair, "prefill")
     assert p_state.transfers is not None and p_state.transfers.kv_engine_id in f.detail, \
         f.detail
-    # The prefill side was read and let go: clean; the link says where the loss was.
+    # The prefill side let go: clean either way.
     assert blocks_in_use(pair.prefill) == 0, "the prefill engine still holds blocks"
     links = [ln for ln in link_transfers({"prefill": p_state, "decode": state(pair, "decode")})
              if "abort-1" in ln.decode_request_id]
-    assert [ln.kind for ln in links] == [LinkKind.READ_NOT_RECEIVED], links
+    p_rec = _record(pair, "prefill", "abort-1")
+    assert p_rec is not None, "kvguard has no prefill record of abort-1"
+    if p_rec.request_id not in logged_requests(pair.prefill, EXPIRED_LINE):
+        # The read came within the lease (vLLM let go on it): the link says the loss
+        # was the decode side's receive.
+        assert p_rec.outcome.value == "read", p_rec
+        assert [ln.kind for ln in links] == [LinkKind.READ_NOT_RECEIVED], links
+    else:
+        # On 2 loaded cores the decode's read has come after the 12 s lease (vLLM logged
+        # the lapse; seen in a fresh-clone run): vLLM freed the hold unread, and kvguard
+        # says so instead of blaming the receive.
+        assert p_rec.outcome.value == "expired_unread", p_rec
+        assert LinkKind.READ_NOT_RECEIVED not in [ln.kind for ln in links], links
 
 
 def test_a_completion_lost_below_kvguard_on_the_prefill_side_is_caught(pair: PdPair) -> None:

@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final
 
 from kvguard.errors import ConfigError, KvguardError
+from kvguard.testing.engine_nice import EngineNice
 from kvguard.testing.hang import HangWatch, write_dump
 from kvguard.testing.ports import LOOPBACK, free_loopback_port
 from kvguard.testing.scheduling import Scheduling, requesting_async, server_env
@@ -279,6 +280,7 @@ class ServerProcess:
         host: str = LOOPBACK,
         command_prefix: Sequence[str] = (),
         watch_hangs: bool = True,
+        engine_nice: bool = False,
     ) -> None:
         self.spec = spec
         self.log_path = log_path
@@ -298,6 +300,11 @@ class ServerProcess:
         """Once ready, a :class:`~kvguard.testing.hang.HangWatch` probes the server: one
         that answers nothing for 45 s is dumped (``py-spy``) and stopped."""
         self._watch: HangWatch | None = None
+        self._engine_nice = engine_nice
+        """From its start, every engine process (EngineCore, workers) runs at nice 19 and
+        the API server at nice 0 (:mod:`kvguard.testing.engine_nice`: why P/D servers on
+        2 CPUs need it)."""
+        self._nice: EngineNice | None = None
 
     @property
     def pid(self) -> int | None:
@@ -340,6 +347,9 @@ class ServerProcess:
                 env=self._child_env(),
                 start_new_session=True,
             )
+        if self._engine_nice:
+            self._nice = EngineNice(self._process.pid)
+            self._nice.start()
         try:
             self._wait_healthy(self._process)
             self._warm_up(self._process)
@@ -397,6 +407,9 @@ class ServerProcess:
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.stop()
+        nice, self._nice = self._nice, None
+        if nice is not None:
+            nice.stop()
         process, self._process = self._process, None
         if process is None:
             return

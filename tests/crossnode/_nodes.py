@@ -94,7 +94,7 @@ def start_servers(nodes: TwoNodes, model_dir: Path, work: Path, *, scheduler_cls
         servers[name] = ServerProcess(
             spec, log_path=work / "logs" / f"{name}.log", host=node.address,
             command_prefix=("ip", "netns", "exec", node.netns),
-            health_timeout_seconds=START_TIMEOUT_SECONDS,
+            health_timeout_seconds=START_TIMEOUT_SECONDS, engine_nice=True,
             env={**THREAD_LIMITS, "KVGUARD_RUN_DIR": str(work / name / "run"),
                  "KVGUARD_ENGINE_NAME": name, "VLLM_PLUGINS": "kvguard",
                  "VLLM_NIXL_SIDE_CHANNEL_HOST": node.address,

@@ -7,7 +7,11 @@ own core (``VLLM_CPU_OMP_THREADS_BIND``): with both servers on both cores a deco
 30-100 s instead of 0.1-1 s. NIXL's UCX progress thread polls with a zero timeout (its
 Python API sets ``pthrDelay = 0``): measured on 2026-12-07 with nothing else running, an
 idle TP=2 prefill rank burned 0.94-0.99 of a core each, the idle decode worker 0.06, so a
-TP=2 pair keeps both cores busy even between requests (its start has taken 80-290 s). The
+TP=2 pair keeps both cores busy even between requests (its start has taken 80-290 s). Both servers'
+engines (EngineCore, workers) run at nice 19 and their API servers at nice 0
+(``kvguard/testing/engine_nice.py``): a request vLLM holds for ever (the faults below)
+makes its engine step every millisecond for ever, and on 2 CPUs that starved the other
+server's API for 60-130 s, with or without kvguard. The
 lease (``kv_lease_duration``) is short in tests so that expiry scenarios
 run in seconds; the decode side renews it by heartbeat every ``lease // 6`` s.
 
@@ -98,7 +102,7 @@ def pd_pair(model_dir: Path, run_dir: Path, log_dir: Path, *,
                           scheduler_cls=scheduler_cls, uni_executor=uni_executor,
                           tensor_parallel_size=tp, engine_extra=engine_extra),
                 log_path=log_dir / f"{name}{attempt}.log",
-                health_timeout_seconds=START_TIMEOUT_SECONDS,
+                health_timeout_seconds=START_TIMEOUT_SECONDS, engine_nice=True,
                 env={**common, "KVGUARD_ENGINE_NAME": name,
                      "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
                      "VLLM_CPU_OMP_THREADS_BIND": core, **(env or {})}))

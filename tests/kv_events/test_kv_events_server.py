@@ -76,8 +76,12 @@ def watch(ks: KvServer, *, drop: Callable[[int, bool], bool] | None = None,
     assert state is not None and state.kv_events is not None
     w.update([state])
     sub = w.engines[ENGINE].subscriber
-    sub.want_through(state.kv_events.batches_published - 1)
-    wait_for(lambda: sub.mirror.last_seq >= state.kv_events.batches_published - 1,  # type: ignore[union-attr]
+    # vLLM's own count of the batches its publisher sent (the truth file): the state file
+    # kvguard wrote may be older than the last of them on a loaded machine (a fresh-clone
+    # run once saw it before the warm-up's batches, and the watch then waited for nothing)
+    through = max(state.kv_events.batches_published, int(ks.truth()["batches"])) - 1  # type: ignore[call-overload]
+    sub.want_through(through)
+    wait_for(lambda: sub.mirror.last_seq >= through,
              "the late subscriber to catch up from the replay endpoint")
     return w
 

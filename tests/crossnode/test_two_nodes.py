@@ -257,6 +257,13 @@ def test_nixl_reads_the_kv_across_the_link(cluster: Cluster) -> None:
     assert p_span["kvguard.request.id"] == d_span["kvguard.transfer.remote_request_id"]
     assert d_span["kvguard.transfer.outcome"] == "received"
     assert p_span["kvguard.transfer.outcome"] in ("read", "expired_unread")
+    # The GenAI attributes join kvguard's spans with vLLM's on both nodes: one request id,
+    # vLLM's own (both halves got the same X-Request-Id), and the model each engine serves.
+    vllm_ids = {x["attributes"]["gen_ai.request.id"] for x in spans if x["name"] == VLLM_SPAN}
+    assert len(vllm_ids) == 1 and "ok-1" in next(iter(vllm_ids)), vllm_ids
+    assert {p_span["gen_ai.request.id"], d_span["gen_ai.request.id"]} == vllm_ids
+    model = cluster.servers["prefill"].spec.served_model_name
+    assert p_span["gen_ai.response.model"] == d_span["gen_ai.response.model"] == model
 
 
 def test_each_node_keeps_its_own_files_and_its_sidecar_sees_only_its_engine(

@@ -83,6 +83,16 @@ def _vllm(s: TracedServer, name: str) -> float:
     return float(value)
 
 
+def _vllm_model_name(s: TracedServer) -> str:
+    """The ``model_name`` label of vLLM's own metrics."""
+    with urllib.request.urlopen(s.server.base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    names = {smp.labels["model_name"] for fam in text_string_to_metric_families(text)
+             for smp in fam.samples if smp.name == "vllm:kv_cache_usage_perc"}
+    assert len(names) == 1, names
+    return names.pop()
+
+
 def _vllm_blocks_held(s: TracedServer) -> int:
     """vLLM's own count of referenced blocks: usage x usable capacity."""
     used = _vllm(s, "vllm:kv_cache_usage_perc") * (BLOCKS - 1)
@@ -154,7 +164,11 @@ def test_a_leak_is_a_span_in_the_leaking_request_s_trace_and_a_clean_request_has
     assert a["kvguard.leak.blocks"] == held, (a, held)  # vLLM's own count of what it holds
     assert "leak-1" in a["kvguard.request.client_id"]
     assert "leak-1" in a["kvguard.request.id"]
+    # The GenAI attributes a trace store joins and groups by: the request id under vLLM's
+    # own name and value (its span's), and the model vLLM serves (its metrics' model_name).
     assert "leak-1" in vllm_span["attributes"]["gen_ai.request.id"]
+    assert a["gen_ai.request.id"] == vllm_span["attributes"]["gen_ai.request.id"], (a, vllm_span)
+    assert a["gen_ai.response.model"] == traced.model == _vllm_model_name(traced)
     assert (a["kvguard.leak.cause"], a["kvguard.leak.path"]) == (
         LeakCause.FINISHED_REQUEST.value, LeakPath.DEFERRED_FREE.value)
     assert a["kvguard.verdict"] == "leak" and a["kvguard.evidence"] == "drained"

@@ -13,7 +13,11 @@ blocks the leak holds. Phoenix is queried through its REST API only.
 from __future__ import annotations
 
 import json
+import os
+import re
 import secrets
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +48,8 @@ BOUND_S = 3.0
 """kvguard's delayed-free bound: the parked free is judged a leak after this."""
 VLLM_SPAN = "llm_request"
 """vLLM's own span of one request (``vllm/v1/engine/output_processor.py``)."""
+RECIPE = Path(__file__).resolve().parents[2] / "docs" / "tracing.md"
+READ_BACK = re.compile(r"^<!-- read-back: [^\n]*-->\n```python\n(.*?)^```", re.S | re.M)
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,18 @@ def _vllm_blocks_held(s: TracedServer) -> int:
     used = _vllm(s, "vllm:kv_cache_usage_perc") * (BLOCKS - 1)
     assert abs(used - round(used)) < 1e-6, used
     return round(used)
+
+
+def _read_back(px: Phoenix, trace_id: str) -> list[list[str]]:
+    """The read-back block of docs/tracing.md, as the page has it, run against ``px`` the
+    way a user pastes it (``TRACE_ID`` and ``PHOENIX_URL`` in its environment): its lines,
+    split on blanks."""
+    [code] = READ_BACK.findall(RECIPE.read_text())
+    env = {**os.environ, "TRACE_ID": trace_id, "PHOENIX_URL": px.base_url}
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                         env=env, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return [line.split() for line in out.stdout.splitlines()]
 
 
 def _state(s: TracedServer) -> EngineState:
@@ -177,6 +195,12 @@ def test_a_leak_is_a_span_in_the_leaking_request_s_trace_and_a_clean_request_has
     assert a["kvguard.pool.capacity"] == BLOCKS - 1
     assert leak["status_code"] == "ERROR"
     assert not any("prompt" in k for k in a), a  # ids and counts only, never the text
+    # The docs' recipe reads the same trace back: vLLM's span, then kvguard's, one request.
+    lines = _read_back(traced.phoenix, leak_trace)
+    assert [ln[1] for ln in lines] == [VLLM_SPAN, "kvguard.leak"], lines
+    rid = vllm_span["attributes"]["gen_ai.request.id"]
+    assert lines[0][2:] == ["-", rid, vllm_span["status_code"]], lines
+    assert lines[1][2:] == [ENGINE, rid, LeakCause.FINISHED_REQUEST.value, "ERROR"], lines
 
     # The healthy request's trace: vLLM's span, nothing of kvguard's (its spans were sent
     # after any the clean request could have had: the export queue is first in, first out).

@@ -12,6 +12,7 @@ vLLM's second decode request after an abort).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -208,3 +209,11 @@ def test_no_transfer_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "no KV transfer in the engines' states" in _cli(capsys, "--run-dir", str(run))
     assert json.loads(_cli(capsys, "--json", "--run-dir", str(run))) == {
         "transfers": [], "links": []}
+
+
+def test_the_example_in_the_pd_docs_is_what_the_cli_prints_for_the_recording(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "pd.md").read_text()
+    [example] = re.findall(r"^```text\n(transfer .*?)^```", doc, re.S | re.M)
+    text = _cli(capsys, *_run_dirs(tmp_path, "04-freed_before_read"))
+    assert example.rstrip("\n") in text.rstrip("\n").split("\n\n"), example

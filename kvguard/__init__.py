@@ -25,7 +25,13 @@ from kvguard.core.session import (
 )
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 from kvguard.core.state import CostState, EngineState, OnlineState, TracingState
-from kvguard.core.transfer_links import LinkKind, TransferLink, link_transfers
+from kvguard.core.transfer_links import (
+    JoinedTransfer,
+    LinkKind,
+    TransferLink,
+    join_transfer_states,
+    link_transfers,
+)
 from kvguard.core.transfers import (
     HazardKind,
     TransferEvent,
@@ -99,6 +105,7 @@ __all__ = [
     "HoldBound",
     "HoldRule",
     "HookErrors",
+    "JoinedTransfer",
     "KvEventSubscriber",
     "KvEventsCheck",
     "KvEventsSnapshot",
@@ -156,6 +163,7 @@ __all__ = [
     "WorkerRankState",
     "__version__",
     "classify_block",
+    "join_transfer_states",
     "judge",
     "judge_wedge",
     "link_transfers",

@@ -96,13 +96,39 @@ def _script(line: str) -> None:
     assert path.exists() and path.stat().st_mode & stat.S_IXUSR, line
 
 
+def _phoenix_pin(line: str) -> None:
+    """``pip install arize-phoenix==X``: the release ``scripts/bootstrap-phoenix`` pins (the
+    one tests/tracing runs)."""
+    pin = re.search(r"^PHOENIX_PIN=(\S+)$", (ROOT / "scripts" / "bootstrap-phoenix").read_text(),
+                    re.M)
+    assert pin is not None and line.split("==", 1)[1].split()[0] == pin.group(1), line
+
+
+def _phoenix_serve(line: str) -> None:
+    """``PHOENIX_...=... phoenix serve``: every setting is one the tests' Phoenix
+    (tests/tracing/_phoenix.py, which starts it so) sets too."""
+    fixture = (ROOT / "tests" / "tracing" / "_phoenix.py").read_text()
+    names = re.findall(r"\b(PHOENIX_[A-Z_]+)=", line)
+    assert names and all(f'"{n}"' in fixture for n in names), line
+
+
+def _trace_id(line: str) -> None:
+    """``export TRACE_ID=$(...)``: run; it must give 32 lowercase hex digits."""
+    proc = subprocess.run(["bash", "-c", f'{line}; printf %s "$TRACE_ID"'], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0 and re.fullmatch(r"[0-9a-f]{32}", proc.stdout), proc
+
+
 NOT_RUN = "not run here"
 
 RULES: list[tuple[str, Callable[[str], None] | str]] = [
     (r"kvguard ", _kvguard),
     (r"promtool (check|test) rules ", _run),
     (r"kubectl apply -k ", _kustomize),
+    (r"export TRACE_ID=\$\(", _trace_id),
     (r"export ", _export),
+    (r"pip install arize-phoenix==", _phoenix_pin),
+    (r"(PHOENIX_[A-Z_]+=\S+ )+phoenix serve$", _phoenix_serve),
     (r"\./scripts/(demo|test|bench)$", _script),
     (r"KVGUARD_SOAK_SECONDS=\d+ \.venv/bin/python -m pytest tests/reliability/test_soak\.py",
      _exists("tests/reliability/test_soak.py")),

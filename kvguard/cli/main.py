@@ -22,7 +22,7 @@ here so that the CLI imports no test tooling until a command needs it (tests/cli
 that the two agree)."""
 
 if TYPE_CHECKING:
-    from kvguard.core.transfer_links import TransferLink
+    from kvguard.core.transfers import TransfersState
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -47,9 +47,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
               "with VLLM_PLUGINS=kvguard and the same KVGUARD_RUN_DIR?", file=sys.stderr)
         return 2
     if args.transfers:
-        from kvguard.core.transfer_links import link_transfers
-
-        _print_links(link_transfers({s.engine: s for s in states}), as_json=args.json)
+        _print_transfers({s.engine: s.transfers for s in states}, as_json=args.json)
         return 0
     if args.json:
         # Per engine: its latest report, and beside it what is judged online (the offload
@@ -65,26 +63,32 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_links(links: list[TransferLink], *, as_json: bool) -> None:
+def _print_transfers(transfers: dict[str, TransfersState | None], *, as_json: bool) -> None:
+    """The joined view of every transfer and the cross-engine findings; ``--json``: an
+    object with ``transfers`` (each a joined transfer) and ``links`` (the findings, as the
+    sidecar's ``transfer_links``)."""
+    from kvguard.cli.transfers_view import render_transfers
+    from kvguard.core.transfer_links import join_transfer_states, link_transfer_states
+
+    joined, links = join_transfer_states(transfers), link_transfer_states(transfers)
     if as_json:
-        print(json.dumps([ln.model_dump(mode="json") for ln in links], indent=2))
+        print(json.dumps({"transfers": [j.model_dump(mode="json") for j in joined],
+                          "links": [ln.model_dump(mode="json") for ln in links]}, indent=2))
     else:
-        print("\n".join(f"{ln.kind.value}: {ln.sentence}" for ln in links)
-              or "no cross-engine transfer finding")
+        print(render_transfers(joined, links))
 
 
 def _transfers_from_sidecars(args: argparse.Namespace) -> int:
     """The cross-engine transfer verdicts joined over several sidecars' HTTP APIs (one per
     node): exit 2 when one cannot be read."""
     from kvguard.cli.sidecars import read_sidecars, transfers_by_engine
-    from kvguard.core.transfer_links import link_transfer_states
 
     try:
         reports = read_sidecars(args.sidecar)
     except KvguardError as exc:
         print(f"kvguard: {exc}", file=sys.stderr)
         return 2
-    _print_links(link_transfer_states(transfers_by_engine(reports)), as_json=args.json)
+    _print_transfers(transfers_by_engine(reports), as_json=args.json)
     return 0
 
 
@@ -205,8 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where engines publish state (KVGUARD_RUN_DIR); repeat it to read "
                         "several, e.g. a prefill and a decode engine's")
     r.add_argument("--transfers", action="store_true",
-                   help="P/D: judge each request's KV transfer from both of its engines "
-                        "(prefill holds for an aborted decode, blocks freed before read)")
+                   help="P/D: each request's KV transfer joined across its two engines "
+                        "(both sides, lease and read times, hazards) and judged (prefill "
+                        "holds for an aborted decode, blocks freed before read, read not "
+                        "received); --json: {transfers, links}")
     r.add_argument("--sidecar", action="append",
                    help="with --transfers: read this kvguard sidecar's /v1/report instead of "
                         "a run dir; repeat it to join engines on different nodes, e.g. the "

@@ -19,6 +19,19 @@ Span names (the contract a trace query relies on):
 Attributes never carry prompt text or token ids: engine identity, request ids, counts,
 causes, paths, outcomes and kvguard's own one-sentence evidence. ``service.name`` is
 repeated as a span attribute because some trace stores drop resource attributes.
+
+Beside the ``kvguard.*`` attributes, the OpenTelemetry GenAI ones that truly describe the
+request, under the names vLLM's own ``llm_request`` span uses (``vllm.tracing``'s
+``SpanAttributes``), so that a trace store groups and joins the two by them:
+
+- ``gen_ai.request.id``: vLLM's external request id (``EngineCoreRequest.external_req_id``,
+  what vLLM's span carries): the client-facing id, which kvguard gets back from the
+  engine's internal id by dropping vLLM's 8-hex suffix (``client_request_id``);
+- ``gen_ai.response.model``: the engine's served model name (vLLM's ``model_name`` metric
+  label: the first ``--served-model-name``; a LoRA request's adapter name is not known).
+
+Nothing about tokens, prompts or sampling: kvguard's spans are not model calls, so neither
+``gen_ai.operation.name`` nor ``gen_ai.usage.*`` applies.
 """
 
 from __future__ import annotations
@@ -36,6 +49,10 @@ AttrValue = str | int | float | bool
 LEAK_SPAN: Final = "kvguard.leak"
 TRANSFER_SPAN: Final = "kvguard.kv_transfer"
 HAZARD_SPAN: Final = "kvguard.kv_transfer_hazard"
+GEN_AI_REQUEST_ID: Final = "gen_ai.request.id"
+"""vLLM's ``SpanAttributes.GEN_AI_REQUEST_ID`` (a vLLM extension of the GenAI conventions)."""
+GEN_AI_RESPONSE_MODEL: Final = "gen_ai.response.model"
+"""The GenAI conventions' model that served the request (``SpanAttributes`` names it too)."""
 DEFAULT_SERVICE_NAME: Final = "kvguard"
 """``service.name`` when ``OTEL_SERVICE_NAME`` is unset."""
 
@@ -65,6 +82,7 @@ class TraceIdentity:
                                        "kvguard.engine.index": self.engine_index}
         if self.model_name is not None:
             attrs["kvguard.engine.model_name"] = self.model_name
+            attrs[GEN_AI_RESPONSE_MODEL] = self.model_name
         if self.kv_engine_id is not None:
             attrs["kvguard.kv.engine_id"] = self.kv_engine_id
         if self.kv_role is not None:
@@ -114,6 +132,7 @@ def leak_span(parent: TraceContext, identity: dict[str, AttrValue], report: Chec
         attrs["kvguard.request.id"] = leak.request_id
     if leak.client_request_id is not None:
         attrs["kvguard.request.client_id"] = leak.client_request_id
+        attrs[GEN_AI_REQUEST_ID] = leak.client_request_id
     if leak.finish_reason is not None:
         attrs["kvguard.leak.finish_reason"] = leak.finish_reason.value
     if leak.held_for_seconds is not None:
@@ -134,6 +153,7 @@ def transfer_span(parent: TraceContext, identity: dict[str, AttrValue], rec: Tra
     attrs.update({
         "kvguard.request.id": rec.request_id,
         "kvguard.request.client_id": rec.client_request_id,
+        GEN_AI_REQUEST_ID: rec.client_request_id,
         "kvguard.transfer.role": rec.role.value,
         "kvguard.transfer.outcome": rec.outcome.value,
     })
@@ -159,6 +179,7 @@ def hazard_span(parent: TraceContext, identity: dict[str, AttrValue], hz: Transf
     attrs.update({
         "kvguard.request.id": hz.request_id,
         "kvguard.request.client_id": hz.client_request_id,
+        GEN_AI_REQUEST_ID: hz.client_request_id,
         "kvguard.hazard.kind": hz.kind.value,
         "kvguard.detail": hz.detail,
     })

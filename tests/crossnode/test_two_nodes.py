@@ -152,15 +152,19 @@ class Cluster:
         (st,) = read_run_dir(self.work / engine / "run").states
         return st
 
-    def joined(self) -> list[dict[str, Any]]:
-        """``kvguard report --transfers --json`` over both nodes' sidecars, run on the
-        decode node."""
-        cmd = [kvguard_cli(), "report", "--transfers", "--json",
+    def report_transfers(self, *, as_json: bool = True) -> Any:
+        """``kvguard report --transfers [--json]`` over both nodes' sidecars, run on the
+        decode node: the joined view (``{"transfers": [...], "links": [...]}``) or its text."""
+        cmd = [kvguard_cli(), "report", "--transfers", *(["--json"] if as_json else []),
                "--sidecar", self.sidecar_url("prefill"), "--sidecar", self.sidecar_url("decode")]
         with entered(self.nodes.decode.netns):
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        links: list[dict[str, Any]] = json.loads(out.stdout)
+        return json.loads(out.stdout) if as_json else out.stdout
+
+    def joined(self) -> list[dict[str, Any]]:
+        """The cross-engine verdicts of :meth:`report_transfers`."""
+        links: list[dict[str, Any]] = self.report_transfers()["links"]
         return links
 
 
@@ -257,6 +261,13 @@ def test_nixl_reads_the_kv_across_the_link(cluster: Cluster) -> None:
     assert p_span["kvguard.request.id"] == d_span["kvguard.transfer.remote_request_id"]
     assert d_span["kvguard.transfer.outcome"] == "received"
     assert p_span["kvguard.transfer.outcome"] in ("read", "expired_unread")
+    # The GenAI attributes join kvguard's spans with vLLM's on both nodes: one request id,
+    # vLLM's own (both halves got the same X-Request-Id), and the model each engine serves.
+    vllm_ids = {x["attributes"]["gen_ai.request.id"] for x in spans if x["name"] == VLLM_SPAN}
+    assert len(vllm_ids) == 1 and "ok-1" in next(iter(vllm_ids)), vllm_ids
+    assert {p_span["gen_ai.request.id"], d_span["gen_ai.request.id"]} == vllm_ids
+    model = cluster.servers["prefill"].spec.served_model_name
+    assert p_span["gen_ai.response.model"] == d_span["gen_ai.response.model"] == model
 
 
 def test_each_node_keeps_its_own_files_and_its_sidecar_sees_only_its_engine(
@@ -282,6 +293,23 @@ def test_a_read_after_the_lease_lapsed_is_joined_across_nodes(cluster: Cluster) 
     post_json(cluster.nodes.decode, cluster.servers["decode"].base_url + "/v1/completions",
               {**cluster.body("late"), "kv_transfer_params": params},
               {"X-Request-Id": "late-1", **tp})
+    # When it is reported: the join over both sidecars judges it from the decode node's
+    # receipt as soon as that is published; the prefill engine, idle since it freed the
+    # blocks, has not read the decode side's notification yet (NIXL reads them in a step):
+    # neither vLLM's warning nor kvguard's hazard exists there until its next step.
+    def late_row() -> Any:
+        rows = [r for r in cluster.report_transfers()["transfers"] if r["prefill"]
+                and "late-1" in r["prefill"]["client_request_id"] and r["link"]]
+        return rows[0] if rows else None
+    row = until("the joined view to judge the late read from the decode's receipt", late_row)
+    assert not any("late-1" in r for r in cluster.logged("prefill", LATE_LINE)), (
+        "the prefill engine read the late notification without a request to step it")
+    assert row["link"]["kind"] == "freed_before_read" and row["hazards"] == [], row
+    p_rec, d_rec = row["prefill"], row["decode"]
+    assert (p_rec["outcome"], d_rec["outcome"]) == ("expired_unread", "received")
+    assert p_rec["hold_deadline"] <= p_rec["ended_at"] <= d_rec["ended_at"]
+    assert p_rec["request_id"] in cluster.logged("prefill", EXPIRED_LINE)  # vLLM's lapse
+    kicked = time.time()
     kicks = [time.monotonic()]
 
     def logged_late() -> bool:
@@ -300,6 +328,29 @@ def test_a_read_after_the_lease_lapsed_is_joined_across_nodes(cluster: Cluster) 
                if ln["kind"] == "freed_before_read"}
         return got if got == {r.rsplit("-", 1)[0] for r in truth} else None
     assert any("late-1" in r for r in until("the cross-node links to match vLLM's log", links))
+    # The joined view now has the prefill engine's hazard too, reported at the step the
+    # kick gave it; its transfers lapsed and read late are those vLLM logged.
+    def with_hazard() -> Any:
+        doc = cluster.report_transfers()
+        rows = [r for r in doc["transfers"] if r["prefill"] and r["hazards"]]
+        return doc if {r["prefill"]["request_id"] for r in rows} == truth else None
+    doc = until("the joined view to carry the prefill engine's hazard", with_hazard)
+    [row] = [r for r in doc["transfers"] if r["prefill"] and r["hazards"]]
+    [hz] = row["hazards"]
+    assert hz["read_at"] >= kicked >= row["decode"]["ended_at"] >= hz["freed_at"]
+    assert {r["prefill"]["request_id"] for r in doc["transfers"] if r["prefill"] and r[
+        "prefill"]["outcome"] in ("expired_unread", "expired_partly_read")} == cluster.logged(
+        "prefill", EXPIRED_LINE)
+    text = cluster.report_transfers(as_json=False)
+    [block] = [b for b in text.split("\n\n") if "late-1" in b.splitlines()[0]]
+    lines = block.splitlines()
+    assert lines[0].endswith(": FREED_BEFORE_READ"), block
+    assert lines[1].startswith("  prefill prefill: ") and " expired_unread, " in lines[1] \
+        and ", lease until " in lines[1] and ", lapsed " in lines[1], block
+    assert lines[2].startswith("  decode  decode: ") and " received, " in lines[2], block
+    assert lines[3].startswith("  hazard  freed_before_read: ") and lines[4].startswith(
+        "  finding freed_before_read: "), block
+    print("\n" + block)
     # The fleet's view: the prefill node's hazards, scraped across the link, equal vLLM's
     # own count of reads after expiry on that node.
     def scraped() -> Any:

@@ -244,7 +244,7 @@ def test_the_cli_joins_the_pair_over_the_two_pods_sidecars(pd_replay: PdReplay) 
         cmd += ["--sidecar", url]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
     links = {(ln["kind"], ln["prefill_request_id"].split("-")[1]): ln
-             for ln in json.loads(out.stdout)}
+             for ln in json.loads(out.stdout)["links"]}
     prefill = _phase(LAST)["engines"]["prefill"]["log_lines"]
     assert prefill["lease_expired"] == prefill["read_after_expiry"] == 1
     (late,) = _requests("decode_late")

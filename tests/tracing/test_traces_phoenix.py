@@ -13,7 +13,11 @@ blocks the leak holds. Phoenix is queried through its REST API only.
 from __future__ import annotations
 
 import json
+import os
+import re
 import secrets
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +48,8 @@ BOUND_S = 3.0
 """kvguard's delayed-free bound: the parked free is judged a leak after this."""
 VLLM_SPAN = "llm_request"
 """vLLM's own span of one request (``vllm/v1/engine/output_processor.py``)."""
+RECIPE = Path(__file__).resolve().parents[2] / "docs" / "tracing.md"
+READ_BACK = re.compile(r"^<!-- read-back: [^\n]*-->\n```python\n(.*?)^```", re.S | re.M)
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,33 @@ def _vllm(s: TracedServer, name: str) -> float:
     return float(value)
 
 
+def _vllm_model_name(s: TracedServer) -> str:
+    """The ``model_name`` label of vLLM's own metrics."""
+    with urllib.request.urlopen(s.server.base_url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    names = {smp.labels["model_name"] for fam in text_string_to_metric_families(text)
+             for smp in fam.samples if smp.name == "vllm:kv_cache_usage_perc"}
+    assert len(names) == 1, names
+    return names.pop()
+
+
 def _vllm_blocks_held(s: TracedServer) -> int:
     """vLLM's own count of referenced blocks: usage x usable capacity."""
     used = _vllm(s, "vllm:kv_cache_usage_perc") * (BLOCKS - 1)
     assert abs(used - round(used)) < 1e-6, used
     return round(used)
+
+
+def _read_back(px: Phoenix, trace_id: str) -> list[list[str]]:
+    """The read-back block of docs/tracing.md, as the page has it, run against ``px`` the
+    way a user pastes it (``TRACE_ID`` and ``PHOENIX_URL`` in its environment): its lines,
+    split on blanks."""
+    [code] = READ_BACK.findall(RECIPE.read_text())
+    env = {**os.environ, "TRACE_ID": trace_id, "PHOENIX_URL": px.base_url}
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True,
+                         env=env, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    return [line.split() for line in out.stdout.splitlines()]
 
 
 def _state(s: TracedServer) -> EngineState:
@@ -154,7 +182,11 @@ def test_a_leak_is_a_span_in_the_leaking_request_s_trace_and_a_clean_request_has
     assert a["kvguard.leak.blocks"] == held, (a, held)  # vLLM's own count of what it holds
     assert "leak-1" in a["kvguard.request.client_id"]
     assert "leak-1" in a["kvguard.request.id"]
+    # The GenAI attributes a trace store joins and groups by: the request id under vLLM's
+    # own name and value (its span's), and the model vLLM serves (its metrics' model_name).
     assert "leak-1" in vllm_span["attributes"]["gen_ai.request.id"]
+    assert a["gen_ai.request.id"] == vllm_span["attributes"]["gen_ai.request.id"], (a, vllm_span)
+    assert a["gen_ai.response.model"] == traced.model == _vllm_model_name(traced)
     assert (a["kvguard.leak.cause"], a["kvguard.leak.path"]) == (
         LeakCause.FINISHED_REQUEST.value, LeakPath.DEFERRED_FREE.value)
     assert a["kvguard.verdict"] == "leak" and a["kvguard.evidence"] == "drained"
@@ -163,6 +195,12 @@ def test_a_leak_is_a_span_in_the_leaking_request_s_trace_and_a_clean_request_has
     assert a["kvguard.pool.capacity"] == BLOCKS - 1
     assert leak["status_code"] == "ERROR"
     assert not any("prompt" in k for k in a), a  # ids and counts only, never the text
+    # The docs' recipe reads the same trace back: vLLM's span, then kvguard's, one request.
+    lines = _read_back(traced.phoenix, leak_trace)
+    assert [ln[1] for ln in lines] == [VLLM_SPAN, "kvguard.leak"], lines
+    rid = vllm_span["attributes"]["gen_ai.request.id"]
+    assert lines[0][2:] == ["-", rid, vllm_span["status_code"]], lines
+    assert lines[1][2:] == [ENGINE, rid, LeakCause.FINISHED_REQUEST.value, "ERROR"], lines
 
     # The healthy request's trace: vLLM's span, nothing of kvguard's (its spans were sent
     # after any the clean request could have had: the export queue is first in, first out).

@@ -216,6 +216,8 @@ def test_a_leak_is_one_span_in_its_request_s_trace_however_often_it_is_seen() ->
     assert (a["kvguard.leak.cause"], a["kvguard.leak.path"]) == ("finished_request", "abort")
     assert a["service.name"] == "svc" and a["kvguard.engine.name"] == "ref0"
     assert a["kvguard.engine.model_name"] == "tiny" and a["kvguard.engine.index"] == 0
+    # The GenAI names vLLM's own span uses: its external id (the client's) and the model.
+    assert a["gen_ai.request.id"] == leak.client_id and a["gen_ai.response.model"] == "tiny"
     assert span.start_ns <= span.end_ns
     st = s.state().tracing
     assert st is not None and st.leak_spans_total == 1 and st.spans_exported_total == 1
@@ -232,11 +234,11 @@ def test_transfer_outcomes_and_a_late_read_hazard_are_spans_of_the_prefill_reque
                       hold_source="x")
     log.on_ended = lambda rec: tracer.transfer_ended(rec, 4)
     log.on_hazard = lambda hz: tracer.hazard(hz, log.get(hz.request_id))
-    tracer.admitted("p1", {"traceparent": HEADER})
-    log.started("p1", "p1", TransferRole.PREFILL, 10.0)
-    log.ended("p1", TransferOutcome.EXPIRED_UNREAD, 20.0, reads=0)
-    tracer.released("p1")  # freed on the lapse: the context moves to the expired ones
-    assert log.read_after_expiry("p1", 25.0) is not None
+    tracer.admitted("p1-0a1b2c3d", {"traceparent": HEADER})
+    log.started("p1-0a1b2c3d", "p1", TransferRole.PREFILL, 10.0)
+    log.ended("p1-0a1b2c3d", TransferOutcome.EXPIRED_UNREAD, 20.0, reads=0)
+    tracer.released("p1-0a1b2c3d")  # freed on the lapse: the context moves to the expired
+    assert log.read_after_expiry("p1-0a1b2c3d", 25.0) is not None
     _wait_exported(tracer, 2)
     transfer, hazard = collect.records
     assert transfer.name == "kvguard.kv_transfer" and transfer.error
@@ -246,6 +248,10 @@ def test_transfer_outcomes_and_a_late_read_hazard_are_spans_of_the_prefill_reque
     assert (transfer.start_ns, transfer.end_ns) == (10 * 10**9, 20 * 10**9)
     assert hazard.name == "kvguard.kv_transfer_hazard" and hazard.parent == CTX
     assert hazard.attributes["kvguard.hazard.kind"] == "freed_before_read"
+    for span in (transfer, hazard):  # vLLM's external id; no model name known here
+        assert span.attributes["gen_ai.request.id"] == "p1", span.attributes
+        assert span.attributes["kvguard.request.id"] == "p1-0a1b2c3d"
+        assert "gen_ai.response.model" not in span.attributes
     assert (hazard.start_ns, hazard.end_ns) == (20 * 10**9, 25 * 10**9)
     tracer.close()
 

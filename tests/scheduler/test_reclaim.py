@@ -21,8 +21,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _sched import MixedLoad, Sched, pool_is_idle, prompt
-from hypothesis import HealthCheck, given, settings
+from _sched import Sched, pool_is_idle, prompt
+from hypothesis import HealthCheck, example, given, settings, target
 from hypothesis import strategies as st
 
 from kvguard.chaos.faults import Fault, FaultPlan
@@ -241,8 +241,14 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("step"), st.integers(1, 6), st.just(False))), min_size=4, max_size=30)
 
 
+WEDGING: list[tuple[str, int, Any]] = [("add", 7, 40), ("step", 3, False), ("abort", 0, True),
+                                      ("add", 7, 40), ("add", 6, 30), ("step", 6, False)]
+"""A schedule that leaks and then wedges the pool (one reclaim at least, checked)."""
+
+
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
+@example(ops=WEDGING)
 @given(ops=OPS)
 def test_reclaim_never_frees_a_reference_a_live_request_holds(
         sched: Callable[..., Sched], ops: list[tuple[str, int, Any]],
@@ -293,3 +299,6 @@ def test_reclaim_never_frees_a_reference_a_live_request_holds(
                 s.step()
     s.step_until(lambda: not s.scheduler.has_unfinished_requests(), max_steps=3000)
     assert s.guard.errors.total == 0, dict(s.guard.errors.by_hook)
+    target(float(checked[0]))
+    if ops == WEDGING:
+        assert checked[0] >= 1, "the wedging schedule reclaimed nothing: the property is empty"

@@ -93,13 +93,13 @@ class EngineGuard(GuardSession):
                          requests=self.requests)
         self.vllm = adapter
         self.installed_hooks: list[InstalledHook] = []
+        """Every hook in place, plain and metered (the cost meter switches between them)."""
         self.owner_cell: list[RequestId | None] = [None]
         """The request whose lifecycle call is running: the hooks charge the pool calls
         inside it to this request (set by the hooks, and by reclaim around its free)."""
         self.reclaimed_requests: set[str] = set()
         """Requests vLLM kept (a delayed free) that reclaim freed: a late transfer
         completion for one is dropped before vLLM sees it (vLLM asserts the request)."""
-        """Every hook in place, plain and metered (the cost meter switches between them)."""
         self.attributor = attributor_for_vllm(scheduler, config,
                                               name=f"{self.engine}-{self.epoch}")
         self.request_tracer: RequestTracer | None = tracer_for_vllm(scheduler, self)

@@ -42,16 +42,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvguard.core.classify import HoldRule, hold_is_legitimate
+from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reclaim import ReclaimOutcome, RefusalReason
 from kvguard.core.types import RequestId
 from kvguard.core.wedge import DeadOwner
 from kvguard.vllm_plugin.versions import missing_message, released_request
-
-if TYPE_CHECKING:
-    from kvguard.vllm_plugin.guard import EngineGuard
 
 _REFUSE = RefusalReason
 
@@ -60,10 +58,34 @@ def _refused(reason: RefusalReason, path: str, detail: str) -> ReclaimOutcome:
     return ReclaimOutcome(refused=reason, path=path, detail=detail)
 
 
+class GuardedScheduler(Protocol):
+    """What reclaim needs of the guard attached to one vLLM scheduler (``EngineGuard``)."""
+
+    scheduler: Any
+    kv_cache_manager: Any
+    block_pool: Any
+    owner_cell: list[RequestId | None]
+    """The hooks charge the pool calls made while it names a request to that request."""
+    reclaimed_requests: set[str]
+    """Requests vLLM kept that reclaim freed (a late completion for one is dropped)."""
+
+    @property
+    def ledger(self) -> OwnershipLedger: ...
+
+    @property
+    def delayed_free_bound(self) -> float: ...
+
+    @property
+    def completions_guarded(self) -> bool:
+        """kvguard sees vLLM's transfer completions first (its connector hook is in)."""
+
+    def on_freed(self, request_id: RequestId, at: float) -> None: ...
+
+
 class VllmReclaimer:
     """The reclaimer of one guarded vLLM scheduler (:class:`~kvguard.core.reclaim.Reclaimer`)."""
 
-    def __init__(self, guard: EngineGuard) -> None:
+    def __init__(self, guard: GuardedScheduler) -> None:
         self.guard = guard
         self.scheduler: Any = guard.scheduler
         self.kv_cache_manager: Any = guard.kv_cache_manager

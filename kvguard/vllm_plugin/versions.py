@@ -81,7 +81,8 @@ class TouchPoint(NamedTuple):
     """The vLLM class (``Scheduler``, ``BlockPool``...); the instance is what kvguard reads."""
     name: str
     kind: str
-    """``method`` (kvguard wraps it), ``field`` (read) or ``dataclass field``."""
+    """``method`` (kvguard wraps it), ``called method`` (kvguard calls it, never wraps it),
+    ``field`` (read) or ``dataclass field``."""
     presence: tuple[Presence, ...]
     """Per release, in :data:`RELEASES` order."""
     feature: Feature
@@ -123,8 +124,8 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("KVCacheCoordinator", "remove_skipped_blocks", "method", _ALL,
                Feature.SLIDING_WINDOW, "hooked only when a KV group frees blocks early"),
     TouchPoint("Scheduler", "deferred_frees", "field", _ALL, Feature.DEFERRED_FREE),
-    TouchPoint("KVCacheManager", "free", "method", _ALL, Feature.RECLAIM,
-               "called, never wrapped: reads only the request's `request_id` "
+    TouchPoint("KVCacheManager", "free", "called method", _ALL, Feature.RECLAIM,
+               "called by reclaim, never wrapped; reads only the request's `request_id` "
                "(`released_request`)"),
     TouchPoint("KVCacheBlock", "pool", "dataclass field", (_P, _P, _C),
                Feature.POOL_OWNERSHIP,

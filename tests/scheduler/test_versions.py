@@ -77,7 +77,7 @@ def _presence(tp: TouchPoint, s: Sched) -> Presence:
     if tp.source:
         return Presence.PRESENT if _defined_in_source(tp) else Presence.ABSENT
     cls = CLASSES[tp.owner]
-    if tp.kind == "method":
+    if tp.kind in ("method", "called method"):
         present = callable(getattr(cls, tp.name, None))
     elif tp.kind == "dataclass field":
         present = tp.name in {f.name for f in dataclasses.fields(cls)}

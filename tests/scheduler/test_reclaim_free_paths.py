@@ -47,6 +47,16 @@ def _reclaim(s: Sched) -> ReclaimWatch:
     return r
 
 
+def _step_paced(s: Sched, until: Callable[[], bool], max_steps: int = 5000) -> None:
+    """Step with ``PAUSE`` between steps (the wedge judges in wall time) until ``until()``."""
+    for _ in range(max_steps):
+        s.step()
+        if until():
+            return
+        time.sleep(PAUSE)
+    raise AssertionError(f"condition not reached in {max_steps} paced steps")
+
+
 def pool_state(pool: Any) -> dict[str, Any]:
     """vLLM's pool as vLLM holds it: free count, every block's ref count, the free queue in
     order, and each cached block's hash (null block aside)."""
@@ -197,11 +207,7 @@ def test_an_orphan_is_reported_never_reclaimed(sched: Callable[..., Sched]) -> N
     assert len(bumped) == 1
     s.add(prompt(8, 3 * BLOCK), 4, rid="starved")
     reclaim = _reclaim(s)
-    for _ in range(5000):
-        s.step()
-        if reclaim.refused:
-            break
-        time.sleep(PAUSE)
+    _step_paced(s, lambda: bool(reclaim.refused))
     state = reclaim.state()
     assert state.refused_total == {RefusalReason.OWNER_UNKNOWN.value: 1}, state
     assert state.reclaims_total == 0 and state.reclaimed_blocks_total == {}
@@ -221,11 +227,7 @@ def test_a_vllm_without_the_free_path_refuses_and_counts(
     monkeypatch.setattr(type(kvm), "free", property(lambda self: None))
     s.add(prompt(6, 6 * BLOCK), 4, rid="starved")
     reclaim = _reclaim(s)
-    for _ in range(5000):
-        s.step()
-        if reclaim.refused:
-            break
-        time.sleep(PAUSE)
+    _step_paced(s, lambda: bool(reclaim.refused))
     [entry] = reclaim.state().recent
     assert (entry.reclaimed, entry.refused) == (False, RefusalReason.NO_FREE_PATH)
     assert "KVCacheManager.free" in entry.detail

@@ -146,6 +146,45 @@ def test_reclaim_frees_a_wedged_pool_as_vllms_own_free_would_and_admits_the_star
     assert s.drained_checkpoint().leaks == []
 
 
+DELAYING = {"kv_connector": "DelayedFreeConnector",
+            "kv_connector_module_path": "kvguard.chaos.delay_connector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"complete_after_steps": 2,
+                                          "never_complete_request_prefixes": ["never-"]}}
+"""A real KV connector whose transfers for ``never-*`` requests never complete."""
+
+
+def test_a_delayed_free_whose_completion_never_came_is_freed_and_a_late_one_dropped(
+        sched: Callable[..., Sched]) -> None:
+    """vLLM keeps a finished request whose connector delayed its free (vllm #46283): reclaim
+    frees it through ``Scheduler._free_blocks``, as the completion would have; a completion
+    that arrives after that is dropped before vLLM sees it (vLLM asserts its request)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    clean = sched(env=RECLAIM, num_blocks=16, max_num_seqs=4)
+    clean.add(prompt(5, 10 * BLOCK), 8, rid="never-1")
+    clean.run_to_completion()
+    clean_pool = pool_state(clean.pool)
+
+    s = sched(env=RECLAIM, num_blocks=16, max_num_seqs=4, kv_transfer_config=DELAYING)
+    victim = s.add(prompt(5, 10 * BLOCK), 8, rid="never-1")
+    s.step_until(lambda: s.requests[victim].is_finished())
+    assert victim in s.scheduler.requests, "vLLM did not keep the request (no delayed free)"
+    held = set(s.table(victim))
+    s.add(prompt(6, 6 * BLOCK), 4, rid="starved")
+    reclaim = _reclaim(s)
+    _step_paced(s, lambda: reclaim.reclaims_total > 0)
+    assert victim not in s.scheduler.requests
+    assert pool_state(s.pool) == clean_pool
+    [entry] = reclaim.state().recent
+    assert (entry.cause, entry.path, entry.request_id, set(entry.block_ids)) == \
+        (DeadOwnerKind.DELAYED_FREE, "Scheduler._free_blocks", victim, held)
+    s.step(kv_connector_output=KVConnectorOutput(finished_sending={victim}))
+    assert s.guard.reclaimed_requests == set() and s.guard.errors.total == 0
+    assert len(s.table("starved")) >= 6
+    s.step_until(lambda: s.requests["starved"].is_finished())  # its own free is delayed too
+    assert s.status("starved") == "FINISHED_LENGTH_CAPPED"
+
+
 def _busy_long(s: Sched) -> None:
     s.add(prompt(1, 10 * BLOCK), 60, rid="long")
     s.step_until(lambda: len(s.table("long")) >= 10)

@@ -53,6 +53,18 @@ class KvguardConfig:
     (``kvguard_engine_wedged``, the sidecar's ``/v1/ready`` answers 503; docs/wedge.md)."""
     wedge_after_steps: int = 20
     """Engine steps with none admitted, with ``wedge_after_seconds``, before a wedge."""
+    reclaim: bool = False
+    """Opt-in safety valve, not a fix: free the blocks of a dead owner (a finished request
+    whose free never came, a deferred free past its bound) through vLLM's own free path,
+    on the engine thread between steps, once ``reclaim_after_verdicts`` consecutive wedge
+    verdicts named it. Orphans and ref-count drift (owner unknown) are never reclaimed
+    (docs/wedge.md)."""
+    reclaim_after_verdicts: int = 3
+    """Consecutive wedge verdicts (at least 0.5 s apart) that must name the same dead
+    owner before it is reclaimed: 3 spans at least 1 s and several engine steps beyond the
+    first verdict, so one reading taken mid-transition (a completion arriving in the same
+    step, a hook error the next rebuild repairs) never frees anything, while recovery
+    comes about 1 s after the wedge is named."""
     saturation_ratio: float = 0.8
     """Cached share of capacity at which a clean pool is reported ``saturated``."""
     checkpoint_min_interval_seconds: float = 0.0
@@ -144,6 +156,9 @@ class KvguardConfig:
         if self.wedge_after_steps < 1:
             raise ConfigError("KVGUARD_WEDGE_AFTER_STEPS", self.wedge_after_steps,
                               "an integer >= 1")
+        if self.reclaim_after_verdicts < 1:
+            raise ConfigError("KVGUARD_RECLAIM_AFTER_VERDICTS", self.reclaim_after_verdicts,
+                              "an integer >= 1 (consecutive wedge verdicts, e.g. 3)")
         if self.checkpoint_burst < 1:
             raise ConfigError("KVGUARD_CHECKPOINT_BURST", self.checkpoint_burst,
                               "an integer >= 1")

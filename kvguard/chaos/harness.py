@@ -96,6 +96,24 @@ class EngineHarness:
                                 SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         return rid
 
+    def greedy_tokens(self, prompts: list[list[int]], max_tokens: int,
+                      prefix: str = "greedy") -> list[list[int]]:
+        """vLLM's greedy output tokens for each prompt (all added at once, run to the end;
+        request ids ``<prefix>-<i>``)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        for i, tokens in enumerate(prompts):
+            self.engine.add_request(f"{prefix}-{i}", TokensPrompt(prompt_token_ids=tokens),
+                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                                   temperature=0.0))
+        out: dict[str, list[int]] = {}
+        while self.engine.has_unfinished_requests():
+            for o in self.engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+        return [out[f"{prefix}-{i}"] for i in range(len(prompts))]
+
     def internal_id(self, client_id: str) -> str:
         for rid in self.scheduler.requests:
             if rid == client_id or rid.rsplit("-", 1)[0] == client_id:

@@ -51,11 +51,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
         return 0
     if args.json:
         # Per engine: its latest report, and beside it what is judged online (the offload
-        # audit, the wedge verdict) and which features are off for a missing hook.
+        # audit, the wedge verdict, reclaim) and which features are off for a missing hook.
         payload = [{**(s.latest_report.model_dump(mode="json") if s.latest_report else
                        {"engine": s.engine, "verdict": None}),
                     "offload": s.offload.model_dump(mode="json") if s.offload else None,
                     "wedge": s.wedge.model_dump(mode="json") if s.wedge else None,
+                    "reclaim": s.reclaim.model_dump(mode="json") if s.reclaim else None,
                     "hooks_missing": list(s.hooks_missing)} for s in states]
         print(json.dumps(payload, indent=2))
     else:

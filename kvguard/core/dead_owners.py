@@ -61,7 +61,7 @@ def dead_owners(ledger: OwnershipLedger, *, now: float, bound_seconds: float,
             seen.add(rec.request_id)
             held = None if rec.finished_at is None else max(0.0, now - rec.finished_at)
             out.append(DeadOwner(_HOLD_KINDS.get(rec.exit_path, DeadOwnerKind.FINISHED_REQUEST),
-                                 rec.client_request_id, ids, held))
+                                 rec.client_request_id, ids, held, rec.request_id))
     for rid in stuck_offload_requests:
         off = ledger.record(RequestId(rid))
         if off is None or off.request_id in seen or not off.blocks:
@@ -69,7 +69,8 @@ def dead_owners(ledger: OwnershipLedger, *, now: float, bound_seconds: float,
         # The job's own request waits on it: its blocks come back only with the job.
         seen.add(off.request_id)
         out.append(DeadOwner(DeadOwnerKind.OFFLOAD_JOB, off.client_request_id,
-                             frozenset(int(b) for b in off.blocks)))
+                             frozenset(int(b) for b in off.blocks),
+                             engine_request_id=off.request_id))
     by_kind: dict[DeadOwnerKind, set[int]] = {}
     for block, causes in (confirmed_causes or {}).items():
         for cause in causes:

@@ -81,6 +81,7 @@ from kvguard.core.engine import EngineAdapter
 from kvguard.core.hook_errors import HookErrors
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.offload import OffloadState
+from kvguard.core.reclaim import ReclaimState
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.state import OnlineState, TracingState
 from kvguard.core.transfers import TransferEvent, TransfersState
@@ -111,6 +112,7 @@ class StateSection(TypedDict, total=False):
     kv_events: KvEventsState | None
     tracing: TracingState | None
     wedge: WedgeState | None
+    reclaim: ReclaimState | None
 
 
 class MonitorHost(Protocol):

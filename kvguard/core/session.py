@@ -60,6 +60,7 @@ from kvguard.core.monitors.kv_events import KvEventsMirror
 from kvguard.core.monitors.kv_events import KvEventsSource as KvEventsSource
 from kvguard.core.monitors.offload import OffloadMonitor
 from kvguard.core.monitors.online_audit import OnlineAudit
+from kvguard.core.monitors.reclaim import ReclaimWatch
 from kvguard.core.monitors.tracing import RequestTraces as RequestTraces
 from kvguard.core.monitors.tracing import RequestTracing
 from kvguard.core.monitors.transfers import TRANSFER_POLL_SECONDS as TRANSFER_POLL_SECONDS
@@ -151,6 +152,7 @@ class GuardSession(MonitorSlots):
         self._kv_events: KvEventsMirror | None = None
         self._tracing: RequestTracing | None = None
         self._wedge: WedgeWatch | None = None
+        self._reclaim: ReclaimWatch | None = None
         self._extra: list[Monitor] = []
         self._moments: dict[str, list[Any]] = {}
         self.attributor = attributor

@@ -22,11 +22,13 @@ from kvguard.core.monitors.idle_recheck import IdleRecheck
 from kvguard.core.monitors.kv_events import KvEventsMirror, KvEventsSource
 from kvguard.core.monitors.offload import OffloadMonitor
 from kvguard.core.monitors.online_audit import OnlineAudit
+from kvguard.core.monitors.reclaim import ReclaimWatch
 from kvguard.core.monitors.tracing import RequestTraces, RequestTracing
 from kvguard.core.monitors.transfers import TransferMonitor
 from kvguard.core.monitors.wedge import WedgeWatch
 from kvguard.core.offload import OffloadAudit
 from kvguard.core.online import OnlineAuditor
+from kvguard.core.reclaim import Reclaimer
 from kvguard.core.transfers import TransferLog
 from kvguard.core.wedge_monitor import WedgeMonitor
 from kvguard.kv_events.snapshot import KvEventsSnapshot
@@ -44,6 +46,7 @@ class MonitorSlots:
     _kv_events: KvEventsMirror | None
     _tracing: RequestTracing | None
     _wedge: WedgeWatch | None
+    _reclaim: ReclaimWatch | None
     _extra: list[Monitor]
     _moments: dict[str, list[Any]]
     """Moment name -> the bound methods of the monitors that act at it."""
@@ -58,7 +61,8 @@ class MonitorSlots:
         """The features on now, in the order their moments run."""
         slots: list[Monitor | None] = [
             self.drain_forecast, self._transfers, self._offload, self._idle,
-            self._attribution, self._online, self._kv_events, self._tracing, self._wedge]
+            self._attribution, self._online, self._kv_events, self._tracing, self._wedge,
+            self._reclaim]
         return [m for m in slots if m is not None] + self._extra
 
     def add_monitor(self, monitor: Monitor) -> None:
@@ -125,7 +129,23 @@ class MonitorSlots:
     @wedge.setter
     def wedge(self, wedge: WedgeMonitor | None) -> None:
         self._wedge = WedgeWatch(self._host(), wedge) if wedge is not None else None
+        self._reclaim = None  # it judges the old wedge monitor's verdicts: set it again
         self._rebuild()
+
+    @property
+    def reclaim(self) -> ReclaimWatch | None:
+        """The opt-in reclaim (None: ``KVGUARD_RECLAIM`` off, or no wedge monitor)."""
+        return self._reclaim
+
+    def start_reclaim(self, reclaimer: Reclaimer, after_verdicts: int) -> ReclaimWatch:
+        """Reclaim the dead owners the wedge monitor names (it must be set first); its
+        moments run right after the wedge monitor's."""
+        wedge = self.wedge
+        if wedge is None:
+            raise ValueError("reclaim needs the wedge monitor: set session.wedge first")
+        self._reclaim = ReclaimWatch(self._host(), wedge, reclaimer, after_verdicts)
+        self._rebuild()
+        return self._reclaim
 
     @property
     def transfers(self) -> TransferLog | None:

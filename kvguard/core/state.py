@@ -11,12 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.offload import OffloadState
+from kvguard.core.reclaim import ReclaimState
 from kvguard.core.report import CheckpointReport, PoolReport
 from kvguard.core.transfers import TransfersState
 from kvguard.core.wedge_monitor import WedgeState
 from kvguard.kv_events.snapshot import KvEventsState
 
-STATE_SCHEMA_VERSION = 10
+STATE_SCHEMA_VERSION = 11
 """2: reports count distinct leaked blocks (report schema 2); ``engine_kind`` and
 ``engine_version`` replace ``vllm_version``. 3: ``transfers`` (KV transfers between
 engines, P/D); a reader of schema 2 would reject the new field, so it says "another
@@ -31,12 +32,13 @@ finished transfers, drops, errors); ``transfers.hold_source`` names where the le
 from (a worker process, or EngineCore), built as 7 and released after 8; and ``tracing``
 (kvguard's spans in the requests' traces: where they go, what was queued, dropped,
 exported or failed). 10: ``wedge`` (the wedge verdict: requests waiting behind blocks
-that dead owners hold)."""
+that dead owners hold). 11: ``reclaim`` (the opt-in reclaim of dead owners' blocks)."""
 
-READABLE_SCHEMA_VERSIONS = frozenset({9, STATE_SCHEMA_VERSION})
+READABLE_SCHEMA_VERSIONS = frozenset({9, 10, STATE_SCHEMA_VERSION})
 """State schemas this kvguard reads: a schema-9 state is a schema-10 state without ``wedge``
-(an engine of the previous release is read, and never judged wedged); a newer one is
-refused with both versions named."""
+(an engine of the previous release is read, and never judged wedged), a schema-10 state a
+schema-11 one without ``reclaim`` (reclaim off); a newer one is refused with both versions
+named."""
 
 
 class OnlineState(BaseModel):
@@ -172,6 +174,8 @@ class EngineState(BaseModel):
                                   "tier); None without one.")
     wedge: WedgeState | None = Field(default=None, description="The wedge monitor (present "
                                      "when the engine integration reads what waits).")
+    reclaim: ReclaimState | None = Field(default=None, description="The opt-in reclaim "
+                                         "(present when KVGUARD_RECLAIM is on).")
     reports: list[CheckpointReport] = Field(default_factory=list, description="Oldest first.")
 
     @property

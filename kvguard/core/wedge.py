@@ -86,6 +86,8 @@ class DeadOwner:
     block_ids: frozenset[int]
     held_for_seconds: float | None = None
     """Since the request finished (or its job started); ``None`` when unknown."""
+    engine_request_id: str | None = None
+    """The engine's internal id of the request (what its block tables are keyed by)."""
 
 
 @dataclass(frozen=True, slots=True)

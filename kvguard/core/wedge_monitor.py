@@ -91,6 +91,8 @@ class WedgeMonitor:
         self.engine = engine
         self.verdicts_total = 0
         self.last: WedgeVerdict | None = None
+        self.last_owners: tuple[DeadOwner, ...] = ()
+        """The dead owners (with their block ids) of the last judgment, ``last``."""
         self.wedged_since: float | None = None
         self._head: str | None = None
         self._waiting = 0
@@ -143,9 +145,11 @@ class WedgeMonitor:
                 or mono < self._next_judge:
             return None
         self._next_judge = mono + JUDGE_INTERVAL_SECONDS
+        owners = self.dead(wall)
         verdict = judge_wedge(self.source.read(wall), Stall(stalled_for, self._stall_steps),
-                              self.dead(wall), opts, now=wall)
+                              owners, opts, now=wall)
         self.last = verdict
+        self.last_owners = tuple(owners)
         if not verdict.wedged:
             if self.wedged_since is not None:
                 self.wedged_since = None

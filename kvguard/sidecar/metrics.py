@@ -20,6 +20,7 @@ from kvguard.core.trend import TrendVerdict, judged
 from kvguard.core.types import Evidence, LeakCause, Verdict
 from kvguard.sidecar.kv_events_metrics import kv_events_families
 from kvguard.sidecar.offload_metrics import offload_families
+from kvguard.sidecar.reclaim_metrics import reclaim_families
 from kvguard.sidecar.store import EngineStore
 from kvguard.sidecar.wedge_metrics import wedge_families
 from kvguard.transport.state import EngineState
@@ -245,6 +246,7 @@ class KvguardCollector(Collector):
         yield from kv_events_families(self.store, ENGINE_LABELS)
         yield from offload_families(self.store, ENGINE_LABELS)
         yield from wedge_families(self.store, ENGINE_LABELS)
+        yield from reclaim_families(self.store, ENGINE_LABELS)
 
 
 def engine_label_values(name: str, state: EngineState) -> list[str]:

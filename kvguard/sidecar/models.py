@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvguard.core.offload import OffloadState
+from kvguard.core.reclaim import ReclaimState
 from kvguard.core.report import CheckpointReport
 from kvguard.core.transfer_links import TransferLink
 from kvguard.core.transfers import TransfersState
@@ -76,6 +77,11 @@ class EngineReport(_Model):
         default=None, description="The wedge verdict (requests waiting behind blocks dead "
                                   "owners hold; /v1/ready answers 503 while it says wedged); "
                                   "null when the engine integration does not read what waits.")
+    reclaim: ReclaimState | None = Field(
+        default=None, description="The opt-in reclaim (KVGUARD_RECLAIM): blocks reclaimed per "
+                                  "cause, refusals per reason, and the latest reclaims and "
+                                  "refusals with request id, cause and block ids; null while "
+                                  "reclaim is off.")
     hooks_missing: list[str] = Field(
         default_factory=list, description="Hook points this vLLM lacks, each with the feature "
                                           "that is off for it (`<hook> (off: <feature>)`): "

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from kvguard.attribution.setup import attributor_for_vllm
 from kvguard.config import KvguardConfig
 from kvguard.core.session import GuardSession
+from kvguard.core.types import RequestId
 from kvguard.core.wedge import DeadOwner, WedgeOptions
 from kvguard.core.wedge_monitor import WedgeMonitor, session_dead_owners
 from kvguard.tracing.tracer import RequestTracer
@@ -93,6 +94,12 @@ class EngineGuard(GuardSession):
         self.vllm = adapter
         self.installed_hooks: list[InstalledHook] = []
         """Every hook in place, plain and metered (the cost meter switches between them)."""
+        self.owner_cell: list[RequestId | None] = [None]
+        """The request whose lifecycle call is running: the hooks charge the pool calls
+        inside it to this request (set by the hooks, and by reclaim around its free)."""
+        self.reclaimed_requests: set[str] = set()
+        """Requests vLLM kept (a delayed free) that reclaim freed: a late transfer
+        completion for one is dropped before vLLM sees it (vLLM asserts the request)."""
         self.attributor = attributor_for_vllm(scheduler, config,
                                               name=f"{self.engine}-{self.epoch}")
         self.request_tracer: RequestTracer | None = tracer_for_vllm(scheduler, self)
@@ -102,7 +109,18 @@ class EngineGuard(GuardSession):
         self.wedge = WedgeMonitor(VllmWaiting(scheduler), self._dead_owners,
                                   WedgeOptions(config.wedge_after_seconds,
                                                config.wedge_after_steps), engine=self.engine)
+        if config.reclaim:
+            from kvguard.vllm_plugin.reclaimer import VllmReclaimer
+
+            self.start_reclaim(VllmReclaimer(self), config.reclaim_after_verdicts)
         _GUARDS[self.engine] = self
+
+    @property
+    def completions_guarded(self) -> bool:
+        """Whether kvguard sees vLLM's KV transfer completions before vLLM applies them
+        (its connector hook is installed), so it can drop one for a reclaimed request."""
+        return any(label.endswith("._update_from_kv_xfer_finished")
+                   for label in self.hooks_installed)
 
 
     def _dead_owners(self, now: float) -> list[DeadOwner]:

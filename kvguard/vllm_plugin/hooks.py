@@ -176,6 +176,20 @@ def _switch_for(hooks: list[InstalledHook]) -> Switch:
     return switch
 
 
+def drop_reclaimed(output: Any, reclaimed: set[str]) -> None:
+    """Take the requests reclaim freed out of a connector output's completions (each once:
+    its late completion is the last vLLM would ever report for it)."""
+    for attr in ("finished_sending", "finished_recving"):
+        ids: Any = getattr(output, attr, None)
+        late = reclaimed.intersection(ids) if ids else ()
+        if late:
+            setattr(output, attr, set(ids) - set(late))
+            reclaimed.difference_update(late)
+            log.warning("kvguard: dropped the late %s of %d reclaimed request(s) %s (vLLM "
+                        "forgot them when their blocks were reclaimed)", attr, len(late),
+                        sorted(late)[:8])
+
+
 def install_hooks(g: EngineGuard) -> None:
     """Install every hook on ``g.scheduler`` and its block pool.
 
@@ -193,7 +207,7 @@ def install_hooks(g: EngineGuard) -> None:
     transfers = vllm.transfers
     tracer = g.request_tracer
     """The request's trace context is read at admission (None: tracing off)."""
-    owner: list[RequestId | None] = [None]
+    owner = g.owner_cell
     """The request whose lifecycle call is running (pool calls inside it are its)."""
     claimed: list[RequestId | None] = [None]
     """The request inside ``_free_request`` or ``_preempt_request``, claimed just before
@@ -443,8 +457,15 @@ def install_hooks(g: EngineGuard) -> None:
                 owner[0] = prev
         return remove_skipped_blocks
 
+    reclaimed = g.reclaimed_requests
+
     def make_kv_xfer_finished(orig: Callable[..., Any]) -> Callable[..., Any]:
         def _update_from_kv_xfer_finished(output: Any, *args: Any, **kwargs: Any) -> Any:
+            if reclaimed:  # empty unless reclaim freed a request vLLM kept
+                try:
+                    drop_reclaimed(output, reclaimed)
+                except Exception as exc:
+                    errors.record("reclaim", exc)
             try:
                 if transfers is not None:
                     for ev in transfers.connector_output(output, time.time()):

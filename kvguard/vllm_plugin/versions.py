@@ -12,6 +12,8 @@ the hooks:
 
 * :func:`pool_tag`: what a ``KVCacheBlock`` holds in its ``pool`` slot for its own pool
   (the pool in 0.32 and 0.33, a weak reference to it in 0.34);
+* :func:`released_request`: what ``KVCacheManager.free`` reads of a request vLLM no
+  longer has (its ``request_id``, in 0.32-0.34), for reclaim;
 * :func:`model_runner_output`: vLLM's ``ModelRunnerOutput`` for hand-stepped schedulers
   (``req_id_to_index`` is gone in 0.34; test tooling only, kvguard's runtime never builds one).
 
@@ -58,6 +60,7 @@ class Feature(Enum):
     KV_EVENTS_MIRROR = "KV-event mirror check"
     NIXL_LEASES = "NIXL lease reports (worker half)"
     OFFLOAD_AUDIT = "offload job audit"
+    RECLAIM = "reclaim of a skipped free (KVGUARD_RECLAIM)"
     TEST_TOOLING = "none (test tooling only)"
 
 
@@ -78,7 +81,8 @@ class TouchPoint(NamedTuple):
     """The vLLM class (``Scheduler``, ``BlockPool``...); the instance is what kvguard reads."""
     name: str
     kind: str
-    """``method`` (kvguard wraps it), ``field`` (read) or ``dataclass field``."""
+    """``method`` (kvguard wraps it), ``called method`` (kvguard calls it, never wraps it),
+    ``field`` (read) or ``dataclass field``."""
     presence: tuple[Presence, ...]
     """Per release, in :data:`RELEASES` order."""
     feature: Feature
@@ -120,6 +124,9 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("KVCacheCoordinator", "remove_skipped_blocks", "method", _ALL,
                Feature.SLIDING_WINDOW, "hooked only when a KV group frees blocks early"),
     TouchPoint("Scheduler", "deferred_frees", "field", _ALL, Feature.DEFERRED_FREE),
+    TouchPoint("KVCacheManager", "free", "called method", _ALL, Feature.RECLAIM,
+               "called by reclaim, never wrapped; reads only the request's `request_id` "
+               "(`released_request`)"),
     TouchPoint("KVCacheBlock", "pool", "dataclass field", (_P, _P, _C),
                Feature.POOL_OWNERSHIP,
                "0.34 holds a weak reference to the pool (`BlockPool._weak_self`), so "
@@ -197,6 +204,25 @@ def pool_tag(block_pool: Any) -> Any:
     as it is (a weak reference has no ``_weak_self``), so callers may pass either."""
     weak = getattr(block_pool, "_weak_self", None)
     return block_pool if weak is None else weak
+
+
+class _ReleasedRequest:
+    """A request vLLM forgot, as far as ``KVCacheManager.free`` reads it."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+def released_request(request_id: str) -> Any:
+    """What ``KVCacheManager.free(request)`` needs of a request vLLM no longer keeps (a
+    skipped free: the request is gone, its table is not): an object with its
+    ``request_id``, the one attribute ``free`` reads in 0.32, 0.33 and 0.34
+    (``self.coordinator.free(request.request_id)``; tests/scheduler/test_versions.py reads
+    it from the installed vLLM's source). A release that reads more fails the reclaim,
+    which is counted and refused, never the engine."""
+    return _ReleasedRequest(request_id)
 
 
 def model_runner_output(req_ids: list[str], **fields: Any) -> Any:

@@ -132,6 +132,9 @@ OPERATIONAL: dict[str, Metric] = {
     "kvguard_trace_spans_exported_total": _m("counter", *ENGINE),
     "kvguard_trace_spans_dropped_total": _m("counter", *ENGINE),
     "kvguard_trace_export_failures_total": _m("counter", *ENGINE),
+    # The opt-in reclaim (issue 54 part 3): only engines with KVGUARD_RECLAIM=1.
+    "kvguard_reclaimed_blocks_total": _m("counter", *ENGINE, "cause"),
+    "kvguard_reclaims_refused_total": _m("counter", *ENGINE, "reason"),
 }
 
 RESERVED = frozenset(n for n, m in CONTRACT.items() if m.reserved)

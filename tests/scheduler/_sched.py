@@ -236,9 +236,10 @@ class Sched:
         return read_pool_truth(self.scheduler).tables.get(rid, [])
 
     # -------------------------------------------------------------- steps
-    def step(self) -> dict[str, int]:
+    def step(self, kv_connector_output: Any = None) -> dict[str, int]:
         """One engine step: vLLM schedules, the "model" samples, vLLM updates. Returns
-        the tokens vLLM scheduled per request."""
+        the tokens vLLM scheduled per request. ``kv_connector_output``: what the KV
+        connector's worker side reports in this step (vLLM's ``KVConnectorOutput``)."""
         s = self.scheduler
         out = s.schedule()
         req_ids = list(out.num_scheduled_tokens)
@@ -251,7 +252,9 @@ class Sched:
             stop_at = self._stop_at.get(rid)
             emit_stop = stop_at is not None and req.num_output_tokens + 1 >= stop_at
             sampled.append([STOP_TOKEN if emit_stop else TOKEN_BASE + self.steps % 300])
-        mro = model_runner_output(req_ids, sampled_token_ids=sampled)
+        extra = {} if kv_connector_output is None else {
+            "kv_connector_output": kv_connector_output}
+        mro = model_runner_output(req_ids, sampled_token_ids=sampled, **extra)
         outputs = s.update_from_output(out, mro)
         self.steps += 1
         for eco in outputs.values():

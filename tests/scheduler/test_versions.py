@@ -22,6 +22,7 @@ import vllm
 from _sched import Sched
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
@@ -36,6 +37,7 @@ from kvguard.vllm_plugin.versions import (
 
 CLASSES: dict[str, type] = {"Scheduler": Scheduler, "BlockPool": BlockPool,
                             "KVCacheCoordinator": KVCacheCoordinator,
+                            "KVCacheManager": KVCacheManager,
                             "KVCacheBlock": KVCacheBlock, "ModelRunnerOutput": ModelRunnerOutput}
 
 
@@ -75,7 +77,7 @@ def _presence(tp: TouchPoint, s: Sched) -> Presence:
     if tp.source:
         return Presence.PRESENT if _defined_in_source(tp) else Presence.ABSENT
     cls = CLASSES[tp.owner]
-    if tp.kind == "method":
+    if tp.kind in ("method", "called method"):
         present = callable(getattr(cls, tp.name, None))
     elif tp.kind == "dataclass field":
         present = tp.name in {f.name for f in dataclasses.fields(cls)}
@@ -113,3 +115,18 @@ def test_the_pool_and_its_tag_select_the_same_blocks(sched: Callable[..., Sched]
     blocks = s.pool.blocks
     ids = block_ids_in(blocks, s.pool)
     assert ids == block_ids_in(blocks, pool_tag(s.pool)) == list(range(1, len(blocks)))
+
+
+def test_kv_cache_manager_free_reads_only_the_request_id() -> None:
+    """Reclaim hands ``KVCacheManager.free`` a stand-in for a request vLLM forgot
+    (``released_request``: its ``request_id`` only); this vLLM's source must read nothing
+    else of the request."""
+    fn = ast.parse(inspect.cleandoc("\n" + inspect.getsource(KVCacheManager.free)))
+    [func] = [n for n in ast.walk(fn) if isinstance(n, ast.FunctionDef)]
+    param = func.args.args[1].arg
+    reads = {n.attr for n in ast.walk(func) if isinstance(n, ast.Attribute)
+             and isinstance(n.value, ast.Name) and n.value.id == param}
+    passed = [n for n in ast.walk(func) if isinstance(n, ast.Name) and n.id == param
+              and not any(isinstance(a, ast.Attribute) and a.value is n
+                          for a in ast.walk(func))]
+    assert (reads, passed) == ({"request_id"}, []), (reads, len(passed))

@@ -137,7 +137,7 @@ def test_readiness_is_documented_with_its_503(tmp_path: Path) -> None:
 def test_a_state_of_the_previous_schema_is_read_and_never_wedged(tmp_path: Path) -> None:
     """Schema 9 (before ``wedge``): an engine of the previous release stays readable."""
     old = state([report(1)]).model_dump(mode="json")
-    del old["wedge"]
+    del old["wedge"], old["reclaim"]
     old["schema_version"] = 9
     (tmp_path / "dp0.json").write_text(json.dumps(old))
     with _client(tmp_path) as c:

@@ -32,19 +32,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 def _greedy_tokens(h: Harness, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    for i, tokens in enumerate(prompts):
-        h.engine.add_request(f"greedy-{i}", TokensPrompt(prompt_token_ids=tokens),
-                             SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                            temperature=0.0))
-    out: dict[str, list[int]] = {}
-    while h.engine.has_unfinished_requests():
-        for o in h.engine.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return [out[f"greedy-{i}"] for i in range(len(prompts))]
+    return h.greedy_tokens(prompts, max_tokens)
 
 
 def _working_batches(h: Harness) -> int:

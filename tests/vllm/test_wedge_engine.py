@@ -11,6 +11,12 @@ One engine per mode, two phases, vLLM's own scheduler and pool as the truth:
    wedge is named online with the aborted request, its blocks and the one block that
    must come back; ``/v1/ready`` answers 503 with that reason and
    ``kvguard_engine_wedged`` is 1. Aborting the waiting request un-wedges it (200).
+3. *Reclaimed* (``KVGUARD_RECLAIM=1``): the next request wedges the engine again (503);
+   at the third consecutive verdict reclaim frees the aborted request's blocks through
+   ``KVCacheManager.free``, the request is admitted, readiness is 200 again,
+   ``kvguard_reclaimed_blocks_total`` counts the blocks, vLLM's pool drains idle, and the
+   greedy outputs of prompts that reuse the reclaimed (cached) blocks equal those the same
+   engine served before any fault (a clean engine).
 
 The stated time to a verdict: the stall's thresholds (``KVGUARD_WEDGE_AFTER_SECONDS``
 and ``_STEPS``, here 1 s and 10 steps) plus at most one judge interval (0.5 s) and one
@@ -72,12 +78,18 @@ def test_a_skipped_free_wedges_the_engine_and_a_busy_pool_never_does(
     monkeypatch.setenv("KVGUARD_RUN_DIR", str(tmp_path))
     monkeypatch.setenv("KVGUARD_WEDGE_AFTER_SECONDS", str(AFTER_SECONDS))
     monkeypatch.setenv("KVGUARD_WEDGE_AFTER_STEPS", str(AFTER_STEPS))
+    monkeypatch.setenv("KVGUARD_RECLAIM", "1")
+    monkeypatch.setenv("KVGUARD_RECLAIM_AFTER_VERDICTS", "3")
     h = in_mode(engines, scheduling)(num_gpu_blocks_override=16, max_model_len=448,
                                      scheduler_cls=SCHEDULER_CLS)
     s, g = h.scheduler, h.guard
-    mon = g.wedge
+    mon, reclaim = g.wedge, g.reclaim
     assert mon is not None and mon.opts.after_seconds == AFTER_SECONDS
+    assert reclaim is not None and reclaim.after_verdicts == 3
     assert h.num_usable() == 15
+    # ---- 0. a clean engine's greedy outputs (the first prompt is the victim's, below)
+    prompts = [prompt(3, 10 * BLOCK), prompt(4, 2 * BLOCK), prompt(9, 40)]
+    clean = h.greedy_tokens(prompts, 8, prefix="clean")
 
     # ---- 1. busy: a live request holds 10+ blocks, the next one (6 blocks) waits
     h.add(prompt(1, 10 * BLOCK), max_tokens=110, rid="long")
@@ -136,3 +148,34 @@ def test_a_skipped_free_wedges_the_engine_and_a_busy_pool_never_does(
     g.publish()
     code, body, gauge = _ready(tmp_path, g.engine, until=lambda b: b["ready"] is True)
     assert (code, gauge) == (200, 0.0) and mon.verdicts_total == 1
+    assert reclaim.reclaims_total == 0  # one verdict only: nothing reclaimed
+
+    # ---- 3. reclaimed: wedged again by the same dead owner, then freed by vLLM's path
+    h.add(prompt(5, 6 * BLOCK), max_tokens=4, rid="starved2")
+    h.step_until(lambda: mon.wedged, max_steps=100_000, max_seconds=120, pause_seconds=0.01)
+    assert mon.verdicts_total == 2 and reclaim.reclaims_total == 0
+    g.publish()
+    code, _, _ = _ready(tmp_path, g.engine, until=lambda b: b["ready"] is False)
+    assert code == 503
+    h.step_until(lambda: reclaim.reclaims_total > 0, max_steps=100_000, max_seconds=120,
+                 pause_seconds=0.01)
+    [entry] = reclaim.state().recent
+    assert (entry.request_id, entry.blocks, entry.path) == ("victim", held,
+                                                           "KVCacheManager.free")
+    h.step_until(lambda: not mon.wedged)
+    g.publish()
+    code, body, gauge = _ready(tmp_path, g.engine, until=lambda b: b["ready"] is True)
+    assert (code, gauge) == (200, 0.0)
+    h.run_to_completion()
+    assert h.vllm_status("starved2") == "FINISHED_LENGTH_CAPPED"
+    assert h.greedy_tokens(prompts, 8, prefix="after") == clean
+    h.drain_scheduler()
+    assert not h.pool_truth().wrong_blocks, "vLLM's pool is not idle after the reclaim"
+    store = EngineStore(tmp_path)
+    store.refresh()
+    with TestClient(create_app(store)) as c:
+        counted = [s.value for fam in text_string_to_metric_families(c.get("/metrics").text)
+                   if fam.name == "kvguard_reclaimed_blocks" for s in fam.samples
+                   if s.name.endswith("_total") and s.labels["engine_name"] == g.engine
+                   and s.labels["cause"] == "finished_request"]
+    assert counted == [float(held)] and g.errors.total == 0

@@ -53,8 +53,18 @@ def _changed(tp: TouchPoint, s: Sched) -> bool:
 
 def _defined_in_source(tp: TouchPoint) -> bool:
     """Whether vLLM's own source of ``tp.source`` has class ``tp.owner`` define ``tp.name``
-    (a method, a class-level field, or ``self.<name> = ...`` in one of its methods)."""
+    (a method, a class-level field or enum member, or ``self.<name> = ...`` in one of its
+    methods), or, for a ``module ...`` kind, has the module define it at top level."""
     tree = ast.parse((Path(vllm.__file__).parent / tp.source).read_text())
+    if tp.kind.startswith("module "):  # a module's own class or global, ``owner`` the module
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == tp.name:
+                return True
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == tp.name for t in targets):
+                return True
+        return False
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         if cls.name != tp.owner:
             continue

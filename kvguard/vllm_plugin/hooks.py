@@ -46,7 +46,12 @@ from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard, InstalledHook
 from kvguard.vllm_plugin.pool_reader import block_ids_in
-from kvguard.vllm_plugin.versions import missing_message, pool_tag
+from kvguard.vllm_plugin.versions import (
+    SCHEDULER_DEFERRED_FREES,
+    missing_message,
+    pool_tag,
+    read,
+)
 
 log = logging.getLogger("kvguard")
 
@@ -370,7 +375,7 @@ def install_hooks(g: EngineGuard) -> None:
             deferred: Any = None
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
-                deferred = getattr(sched, "deferred_frees", None)  # vLLM's queue, if any
+                deferred = read(sched, SCHEDULER_DEFERRED_FREES)  # vLLM's queue, if any
                 n_deferred = len(deferred) if deferred is not None else 0
                 if claimed[0] != rid:  # e.g. a delayed-free completion: claim
                     g.claim(rid)

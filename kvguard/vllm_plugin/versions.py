@@ -12,6 +12,8 @@ the hooks:
 
 * :func:`pool_tag`: what a ``KVCacheBlock`` holds in its ``pool`` slot for its own pool
   (the pool in 0.32 and 0.33, a weak reference to it in 0.34);
+* :func:`block_hash_attr`: where a block keeps its prefix hash (``_block_hash`` in 0.32 and
+  0.33, ``block_hash`` in 0.34);
 * :func:`model_runner_output`: vLLM's ``ModelRunnerOutput`` for hand-stepped schedulers
   (``req_id_to_index`` is gone in 0.34; test tooling only, kvguard's runtime never builds one).
 
@@ -40,6 +42,11 @@ class Presence(Enum):
 class Feature(Enum):
     """A kvguard feature that needs some touch point; off when one of them is missing."""
 
+    IDENTITY = "engine name and labels (DP rank, model name)"
+    WEDGE = "wedge verdict"
+    TRACING = "findings in request traces"
+    AUDIT = "audits (the pool read)"
+    """Without it kvguard cannot tell a cached block from a free one: no audit is right."""
     POOL_EVENTS = "pool events"
     """Block movements seen as they happen (ref-count drift and double-free evidence
     between audits); without them audits still claim from the engine's block tables."""
@@ -106,6 +113,29 @@ _ALL = (_P, _P, _P)
 _NIXL = "distributed/kv_transfer/kv_connector/v1/nixl/"
 _OFFLOAD = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 
+BLOCK_HASH_SLOT: Final = TouchPoint(
+    "KVCacheBlock", "_block_hash", "dataclass field", (_P, _P, _A), Feature.AUDIT,
+    "renamed `block_hash` in 0.34: `block_hash_attr`")
+BLOCK_HASH_FIELD: Final = TouchPoint(
+    "KVCacheBlock", "block_hash", "dataclass field", (_A, _A, _P), Feature.AUDIT,
+    "0.34's name for `_block_hash` (0.32, 0.33: a property over that slot)")
+
+SCHEDULER_DEFERRED_FREES: Final = TouchPoint("Scheduler", "deferred_frees", "field", _ALL,
+                                             Feature.DEFERRED_FREE)
+(SCHEDULER_REQUESTS, SCHEDULER_RUNNING, SCHEDULER_WAITING) = (
+    TouchPoint("Scheduler", name, "field", _ALL, Feature.STEP_END, "what runs, waits, is kept")
+    for name in ("requests", "running", "waiting"))
+(SCHEDULER_KV_HOLDING_WAITING, SCHEDULER_BLOCK_SIZE, SCHEDULER_MAX_NUM_SCHEDULED_TOKENS,
+ SCHEDULER_CACHE_CONFIG, SCHEDULER_SCHEDULER_CONFIG) = (
+    TouchPoint("Scheduler", name, "field", _ALL, Feature.WEDGE)
+    for name in ("kv_holding_waiting", "block_size", "max_num_scheduled_tokens",
+                 "cache_config", "scheduler_config"))
+SCHEDULER_KV_CACHE_MANAGER: Final = TouchPoint("Scheduler", "kv_cache_manager", "field", _ALL,
+                                               Feature.AUDIT)
+BLOCK_POOL_BLOCKS, BLOCK_POOL_NULL_BLOCK = (
+    TouchPoint("BlockPool", name, "field", _ALL, Feature.AUDIT)
+    for name in ("blocks", "null_block"))
+
 _CONN = "distributed/kv_transfer/kv_connector/"
 _BASE = _CONN + "v1/base.py"
 _ENGINE = "v1/engine/core.py"
@@ -117,8 +147,40 @@ def _field(owner: str, name: str, feature: Feature, source: str, kind: str = "fi
     return TouchPoint(owner, name, kind, _ALL, feature, note, source)
 
 
-# --- read in place by the plugin (kv_transfers, offload_reader, worker_half, idle), each
-# through :func:`read` with its row, so a name that moves in a release moves here only.
+# --- read in place by the plugin (adapter, waiting_reader, connector_bounds, finish,
+# trace_setup, kv_transfers, offload_reader, worker_half, idle; tests/test_versions_table.py
+# keeps them from spelling a vLLM name), each through :func:`read` with its row, so a name
+# that moves in a release moves here only.
+KVM_BLOCK_POOL: Final = _field("KVCacheManager", "block_pool", Feature.AUDIT,
+                              "v1/core/kv_cache_manager.py")
+REQUEST_QUEUE_PEEK: Final = _field("RequestQueue", "peek_request", Feature.WEDGE,
+                                   "v1/core/sched/request_queue.py", "method")
+(REQUEST_ID, REQUEST_ARRIVAL_TIME, REQUEST_NUM_TOKENS, REQUEST_NUM_COMPUTED_TOKENS) = (
+    _field("Request", name, Feature.WEDGE, "v1/request.py")
+    for name in ("request_id", "arrival_time", "num_tokens", "num_computed_tokens"))
+REQUEST_STATUS: Final = _field("Request", "status", Feature.FINISH, "v1/request.py")
+CACHE_BLOCK_SIZE: Final = _field("CacheConfig", "block_size", Feature.WEDGE, "config/cache.py")
+CHUNKED_PREFILL: Final = _field("SchedulerConfig", "enable_chunked_prefill", Feature.WEDGE,
+                                "config/scheduler.py")
+SCHEDULED_TOKENS: Final = _field("SchedulerOutput", "total_num_scheduled_tokens",
+                                 Feature.STEP_TIMING, "v1/core/sched/output.py",
+                                 "dataclass field")
+VLLM_MAX_CONCURRENT_BATCHES: Final = _field("VllmConfig", "max_concurrent_batches",
+                                            Feature.STEP_TIMING, "config/vllm.py", "property")
+VLLM_MODEL_CONFIG: Final = _field("VllmConfig", "model_config", Feature.IDENTITY,
+                                  "config/vllm.py")
+MODEL_SERVED_NAME: Final = _field("ModelConfig", "served_model_name", Feature.IDENTITY,
+                                  "config/model.py")
+PARALLEL_DP_INDEX, PARALLEL_DP_RANK, PARALLEL_DP_SIZE = (
+    _field("ParallelConfig", name, Feature.IDENTITY, "config/parallel.py")
+    for name in ("data_parallel_index", "data_parallel_rank", "data_parallel_size"))
+VLLM_OBSERVABILITY_CONFIG: Final = _field("VllmConfig", "observability_config",
+                                          Feature.TRACING, "config/vllm.py")
+OTLP_TRACES_ENDPOINT: Final = _field("ObservabilityConfig", "otlp_traces_endpoint",
+                                     Feature.TRACING, "config/observability.py")
+KV_CONNECTOR_EXTRA_CONFIG: Final = _field("KVTransferConfig", "kv_connector_extra_config",
+                                          Feature.TRANSFERS, "config/kv_transfer.py")
+
 REQUEST_KV_TRANSFER_PARAMS: Final = _field("Request", "kv_transfer_params", Feature.TRANSFERS,
                                            "v1/request.py")
 REQUEST_IS_FINISHED: Final = _field("Request", "is_finished", Feature.OFFLOAD_AUDIT,
@@ -230,11 +292,21 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
                Feature.TRANSFERS, "hooked only when the engine has a KV connector"),
     TouchPoint("KVCacheCoordinator", "remove_skipped_blocks", "method", _ALL,
                Feature.SLIDING_WINDOW, "hooked only when a KV group frees blocks early"),
-    TouchPoint("Scheduler", "deferred_frees", "field", _ALL, Feature.DEFERRED_FREE),
+    SCHEDULER_DEFERRED_FREES,
     TouchPoint("KVCacheBlock", "pool", "dataclass field", (_P, _P, _C),
                Feature.POOL_OWNERSHIP,
                "0.34 holds a weak reference to the pool (`BlockPool._weak_self`), so "
                "comparing with the pool matched no block: `pool_tag`"),
+    BLOCK_HASH_SLOT, BLOCK_HASH_FIELD,
+    SCHEDULER_REQUESTS, SCHEDULER_RUNNING, SCHEDULER_WAITING, SCHEDULER_KV_HOLDING_WAITING,
+    SCHEDULER_BLOCK_SIZE, SCHEDULER_MAX_NUM_SCHEDULED_TOKENS, SCHEDULER_CACHE_CONFIG,
+    SCHEDULER_SCHEDULER_CONFIG, SCHEDULER_KV_CACHE_MANAGER, BLOCK_POOL_BLOCKS,
+    BLOCK_POOL_NULL_BLOCK, KVM_BLOCK_POOL, REQUEST_QUEUE_PEEK, REQUEST_ID,
+    REQUEST_ARRIVAL_TIME, REQUEST_NUM_TOKENS, REQUEST_NUM_COMPUTED_TOKENS, REQUEST_STATUS,
+    CACHE_BLOCK_SIZE, CHUNKED_PREFILL, SCHEDULED_TOKENS, VLLM_MAX_CONCURRENT_BATCHES,
+    VLLM_MODEL_CONFIG, MODEL_SERVED_NAME, PARALLEL_DP_INDEX, PARALLEL_DP_RANK,
+    PARALLEL_DP_SIZE, VLLM_OBSERVABILITY_CONFIG, OTLP_TRACES_ENDPOINT,
+    KV_CONNECTOR_EXTRA_CONFIG,
     TouchPoint("BlockPool", "cached_block_hash_to_block", "field", (_P, _P, _C),
                Feature.KV_EVENTS_MIRROR, "0.34 maps a hash to a block id, not a block; "
                "kvguard reads only its keys"),
@@ -311,6 +383,16 @@ def pool_tag(block_pool: Any) -> Any:
     as it is (a weak reference has no ``_weak_self``), so callers may pass either."""
     weak = getattr(block_pool, "_weak_self", None)
     return block_pool if weak is None else weak
+
+
+def block_hash_attr(block: Any) -> str:
+    """Where a ``KVCacheBlock`` keeps its prefix hash: the ``_block_hash`` slot (vLLM 0.32,
+    0.33; ``block_hash`` is a property over it there) or the ``block_hash`` field (0.34).
+    Read once per pool read; the per-block loops spell the name out (CPython specialises a
+    slot load only for a literal name)."""
+    if hasattr(block, BLOCK_HASH_SLOT.name):
+        return BLOCK_HASH_SLOT.name
+    return BLOCK_HASH_FIELD.name
 
 
 def model_runner_output(req_ids: list[str], **fields: Any) -> Any:

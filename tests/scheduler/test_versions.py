@@ -123,3 +123,24 @@ def test_the_pool_and_its_tag_select_the_same_blocks(sched: Callable[..., Sched]
     blocks = s.pool.blocks
     ids = block_ids_in(blocks, s.pool)
     assert ids == block_ids_in(blocks, pool_tag(s.pool)) == list(range(1, len(blocks)))
+
+
+def test_block_hash_attr_is_where_this_vllms_blocks_keep_their_hash(
+        sched: Callable[..., Sched]) -> None:
+    """The row present in this release names the slot, and vLLM's own cached blocks carry
+    their hash there (the name ``BlockPool.cached_block_hash_to_block`` is keyed by)."""
+    from _sched import prompt
+
+    from kvguard.vllm_plugin.versions import BLOCK_HASH_FIELD, BLOCK_HASH_SLOT, block_hash_attr
+
+    release = release_of(vllm.__version__)
+    assert release is not None
+    s = sched()
+    attr = block_hash_attr(s.pool.blocks[1])
+    present = [tp.name for tp in (BLOCK_HASH_SLOT, BLOCK_HASH_FIELD)
+               if tp.in_release(release) is Presence.PRESENT]
+    assert [attr] == present
+    s.add(prompt(3, 64), 4)
+    s.run_to_completion()
+    cached = [b for b in s.pool.blocks if getattr(b, attr) is not None]
+    assert len(cached) == len(s.pool.cached_block_hash_to_block) > 0

@@ -431,8 +431,7 @@ class GuardSession(MonitorSlots):
                 f"kvguard's ownership records are incomplete ({lost} hook error(s) since the "
                 "last checkpoint, see kvguard_hook_errors_total); it started fresh records "
                 "and judges again at the next drained checkpoint", **self.stamp(now)))
-        tables = self.adapter.request_tables()
-        for rid, ids in tables.items():
+        for rid, ids in self.adapter.request_tables().items():
             self.ledger.claim(RequestId(rid), ids)
         if self.events_seen.settles_at_audit:
             activity = self.adapter.activity()

@@ -1,16 +1,16 @@
-"""Target 8 per vLLM release: kvguard's cost on the scheduler of 0.32 and of 0.33.
+"""Target 8 per vLLM release: kvguard's cost on the scheduler of 0.32, 0.33 and 0.34.
 
 vLLM's real ``Scheduler`` and ``BlockPool`` stepped without a model, once per installed
-vLLM release (0.32 and 0.33), hooks in and out per round.
+vLLM release (0.32, 0.33 and 0.34), hooks in and out per round.
 
-vLLM 0.33's model runner cannot run on CPU, so this is the level both releases run here
-(``tests/scheduler/_sched.py``, as vLLM's ``tests/v1/core`` drive it), each release in a
-worker of its own venv. A round: 48 requests in 4 groups sharing a 48-token prefix, a pool
-too small for them all, 4 aborted at step 15, stepped until vLLM holds nothing. A step's
-time is its ``schedule``, ``update_from_output``, ``add_request`` and ``finish_requests``
-calls, clocked outside kvguard's hooks; rounds ABBA, the prefix cache reset before each;
-both sides' steps, preemptions and prefix hits checked equal. With no forward pass the
-ratio is not target 8's: what this compares is the releases.
+vLLM 0.33's and 0.34's model runners cannot run on CPU, so this is the level every release
+runs here (``tests/scheduler/_sched.py``, as vLLM's ``tests/v1/core`` drive it), each
+release in a worker of its own venv. A round: 48 requests in 4 groups sharing a 48-token
+prefix, a pool too small for them all, 4 aborted at step 15, stepped until vLLM holds
+nothing. A step's time is its ``schedule``, ``update_from_output``, ``add_request`` and
+``finish_requests`` calls, clocked outside kvguard's hooks; rounds ABBA, the prefix cache
+reset before each; both sides' steps, preemptions and prefix hits checked equal. With no
+forward pass the ratio is not target 8's: what this compares is the releases.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from harness import (
 )
 
 ROOT: Final = Path(__file__).resolve().parents[1]
-VENVS: Final = {"0.32": ROOT / ".venv", "0.33": ROOT / ".venv-vllm033"}
+VENVS: Final = {"0.32": ROOT / ".venv", "0.33": ROOT / ".venv-vllm033",
+                "0.34": ROOT / ".venv-vllm034"}
 """The releases measured, each by the interpreter of its venv (``scripts/bootstrap``)."""
 REQUESTS, PREFIX_TOKENS, POOL_BLOCKS, MAX_NUM_SEQS = 48, 48, 120, 32
 ABORT_AT_STEP, ABORTED = 15, 4

@@ -83,9 +83,9 @@ def releases_row_of(d: dict[str, Any], target: float) -> list[str]:
              if dict(r["verdicts"]).get("leak") or r["rounds_mismatched"]]
     same = not any(r["rounds_mismatched"] for r in rows)
     return ["| 8 per vLLM release, scheduler alone (no model) | "
-            + "; ".join(f"vLLM {r['vllm']}: **{r['mean_ratio']:.3f}x** +- "
+            + "; ".join(f"{r['vllm']} **{r['mean_ratio']:.3f}x** +- "
                         f"{r['interval_half']:.3f}" for r in rows)
-            + ("; every round the same work" if same else "")
+            + ("; same work each round" if same else "")
             + " | " + ("; ".join(notes) if notes else
                        f"measured (the {target:.2f}x target is for the engine)") + " |"]
 

@@ -457,6 +457,25 @@ class OwnershipLedger:
                 continue
             self._after_release(owner)
 
+    def compact(self, request_id: RequestId) -> None:
+        """Forget ``request_id`` if it is finished, freed and holds nothing (as a free
+        does; for a finish learnt after the free)."""
+        rec = self._records.get(request_id)
+        if rec is not None:
+            self._maybe_compact(rec)
+
+    def release_request(self, request_id: RequestId) -> None:
+        """Give back every reference ``request_id`` holds, without a pool event (the engine
+        freed it and no release can be seen: ``EventsSeen.pool_events`` off). Counts no
+        event and no double free."""
+        rec = self._records.get(request_id)
+        if rec is None or not rec.blocks:
+            return
+        for bid, n in list(rec.blocks.items()):
+            for _ in range(n):
+                self._drop_ref(rec, bid)
+        self._after_release(rec)
+
     # -------------------------------------------------------------- internals
     def _ensure(self, request_id: RequestId, at: float = 0.0) -> RequestRecord:
         rec = self._records.get(request_id)

@@ -48,6 +48,7 @@ from kvguard.core.cost import CostMeter
 from kvguard.core.drain_check import DrainCheck
 from kvguard.core.drain_model import DrainPrediction
 from kvguard.core.engine import EngineAdapter, HoldBound
+from kvguard.core.fail_soft import EventsSeen, settle_records
 from kvguard.core.hook_errors import HookErrors as HookErrors
 from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.monitor import DrainBlocker as DrainBlocker
@@ -104,6 +105,9 @@ class GuardSession(MonitorSlots):
         self.epoch = f"{os.getpid()}-{int(self.started_at * 1000)}"
         self.hooks_installed: list[str] = []
         self.hooks_missing: list[str] = []
+        self.events_seen = EventsSeen()
+        """Which engine events the integration delivers; set before the first event
+        (:mod:`kvguard.core.fail_soft`: what the session makes up for without them)."""
         self.reports: deque[CheckpointReport] = deque(maxlen=config.history)
         self.checkpoints_total: Counter[str] = Counter()
         self.online_checkpoints_total: Counter[str] = Counter()
@@ -201,6 +205,8 @@ class GuardSession(MonitorSlots):
     def claim(self, request_id: RequestId) -> None:
         """Give ``request_id`` the references its engine table holds (pool calls carry no
         request: a lifecycle transition names it)."""
+        if not self.events_seen.admissions:  # first met here: adopt it
+            self.ledger.adopt(request_id, time.time())
         self.ledger.claim(request_id, self._request_blocks(request_id))
 
     def on_admitted(self, request_id: RequestId, at: float) -> None:
@@ -219,7 +225,10 @@ class GuardSession(MonitorSlots):
         self.ledger.on_blocks_released(owner, block_ids)
 
     def on_preempted(self, request_id: RequestId) -> None:
+        """After the engine freed the preempted request's blocks."""
         self.ledger.on_request_preempted(request_id)
+        if not self.events_seen.pool_events:  # no release seen: trust the engine's free
+            self.ledger.release_request(request_id)
 
     def on_finished(self, request_id: RequestId, reason: FinishReason, at: float) -> None:
         self.claim(request_id)
@@ -258,6 +267,8 @@ class GuardSession(MonitorSlots):
     def on_freed(self, request_id: RequestId, at: float) -> None:
         """The engine is done with the request (its blocks should all be back)."""
         self.ledger.on_request_freed(request_id, at)
+        if not self.events_seen.pool_events:  # no release seen: trust the engine's free
+            self.ledger.release_request(request_id)
         self.drain_pending = True
         for freed in self._moments["on_request_freed"]:
             freed(request_id, at)
@@ -424,6 +435,11 @@ class GuardSession(MonitorSlots):
                 "and judges again at the next drained checkpoint", **self.stamp(now)))
         for rid, ids in self.adapter.request_tables().items():
             self.ledger.claim(RequestId(rid), ids)
+        if self.events_seen.settles_at_audit:
+            activity = self.adapter.activity()
+            if activity.unfinished is None:  # every request the engine keeps is finished
+                settle_records(self.ledger, frozenset(activity.finished_held),
+                               self.events_seen, now)
         for before in self._moments["before_drained_audit"]:
             before(now)
         rec = reconcile(self.adapter.read_pool(), self.ledger, ReconcileOptions(

@@ -28,6 +28,23 @@ from kvguard.vllm_plugin.kv_transfers import VllmTransfers, transfers_of
 from kvguard.vllm_plugin.offload_reader import VllmOffload, offload_source_of
 from kvguard.vllm_plugin.pool_reader import VllmPoolAccess, all_request_tables, read_pool
 from kvguard.vllm_plugin.request_ids import client_request_id
+from kvguard.vllm_plugin.versions import (
+    MODEL_SERVED_NAME,
+    PARALLEL_DP_INDEX,
+    PARALLEL_DP_RANK,
+    PARALLEL_DP_SIZE,
+    REQUEST_IS_FINISHED,
+    SCHEDULED_TOKENS,
+    SCHEDULER_DEFERRED_FREES,
+    SCHEDULER_REQUESTS,
+    SCHEDULER_RUNNING,
+    SCHEDULER_VLLM_CONFIG,
+    SCHEDULER_WAITING,
+    VLLM_MAX_CONCURRENT_BATCHES,
+    VLLM_MODEL_CONFIG,
+    VLLM_PARALLEL_CONFIG,
+    read,
+)
 
 
 def _qlen(obj: Any) -> int:
@@ -85,7 +102,7 @@ class VllmAdapter:
         Only a batch that schedules tokens counts as work on the device (vLLM's own
         deferred-free fence counts the same steps): while a finished request waits for its
         KV transfer, async EngineCore keeps one empty batch queued at every update."""
-        tokens = getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        tokens = read(scheduler_output, SCHEDULED_TOKENS, 1)
         self._in_flight.append((scheduler_output, not isinstance(tokens, int) or tokens > 0))
 
     def on_output_processed(self, scheduler_output: object) -> None:
@@ -106,18 +123,18 @@ class VllmAdapter:
 
     def activity(self) -> EngineActivity:
         s = self.scheduler
-        requests: Mapping[str, Any] = getattr(s, "requests", {}) or {}
+        requests: Mapping[str, Any] = read(s, SCHEDULER_REQUESTS) or {}
         unfinished: str | None = None
         held: list[str] = []
         for rid, req in requests.items():
-            is_finished = getattr(req, "is_finished", None)
+            is_finished = read(req, REQUEST_IS_FINISHED)
             if is_finished is None or not is_finished():
                 unfinished = str(rid)
                 break
             held.append(str(rid))
-        return EngineActivity(running=_qlen(getattr(s, "running", ())),
-                              waiting=_qlen(getattr(s, "waiting", ())),
-                              deferred_frees=_qlen(getattr(s, "deferred_frees", ())),
+        return EngineActivity(running=_qlen(read(s, SCHEDULER_RUNNING, ())),
+                              waiting=_qlen(read(s, SCHEDULER_WAITING, ())),
+                              deferred_frees=_qlen(read(s, SCHEDULER_DEFERRED_FREES, ())),
                               unfinished=unfinished, finished_held=tuple(held),
                               batches_in_flight=self.batches_in_flight)
 
@@ -129,20 +146,20 @@ class VllmAdapter:
             return self.activity().live_work
 
     def finished_requests(self) -> dict[str, FinishReason]:
-        requests: Mapping[str, Any] = getattr(self.scheduler, "requests", {}) or {}
+        requests: Mapping[str, Any] = read(self.scheduler, SCHEDULER_REQUESTS) or {}
         return {str(rid): finish_reason_of(req) for rid, req in requests.items()
-                if getattr(req, "is_finished", lambda: False)()}
+                if read(req, REQUEST_IS_FINISHED, lambda: False)()}
 
     def holds_request(self, request_id: str) -> bool:
         """Whether the scheduler still keeps ``request_id`` (a delayed free after finish)."""
-        return request_id in (getattr(self.scheduler, "requests", {}) or {})
+        return request_id in (read(self.scheduler, SCHEDULER_REQUESTS) or {})
 
     client_request_id = staticmethod(client_request_id)
     """vLLM's internal request id -> the client's (called once per admitted request: the
     function itself, no method in between)."""
 
     def hold_bound(self) -> HoldBound:
-        return connector_hold_bound(getattr(self.scheduler, "vllm_config", None))
+        return connector_hold_bound(read(self.scheduler, SCHEDULER_VLLM_CONFIG))
 
     def kv_transfers(self) -> VllmTransfers | None:
         return self.transfers
@@ -172,7 +189,7 @@ def max_concurrent_batches(scheduler: Any) -> int | None:
     its queue (1: none in flight between steps; async scheduling: 2; pipeline parallel:
     its size), or None when this vLLM does not say."""
     try:
-        n = scheduler.vllm_config.max_concurrent_batches
+        n = read(read(scheduler, SCHEDULER_VLLM_CONFIG), VLLM_MAX_CONCURRENT_BATCHES)
     except Exception:
         return None
     return n if isinstance(n, int) and not isinstance(n, bool) else None
@@ -187,11 +204,11 @@ def data_parallel_rank(scheduler: Any) -> tuple[int, bool]:
     0. The original rank survives in ``data_parallel_index``; the group shows in the size
     (MoE ranks keep it) or in the process name vLLM gives each rank.
     """
-    pc = getattr(getattr(scheduler, "vllm_config", None), "parallel_config", None)
-    index = getattr(pc, "data_parallel_index", None)
-    rank = index if isinstance(index, int) else getattr(pc, "data_parallel_rank", 0)
+    pc = read(read(scheduler, SCHEDULER_VLLM_CONFIG), VLLM_PARALLEL_CONFIG)
+    index = read(pc, PARALLEL_DP_INDEX)
+    rank = index if isinstance(index, int) else read(pc, PARALLEL_DP_RANK, 0)
     rank = rank if isinstance(rank, int) and rank >= 0 else 0
-    size = getattr(pc, "data_parallel_size", 1)
+    size = read(pc, PARALLEL_DP_SIZE, 1)
     in_group = (rank > 0 or (isinstance(size, int) and size > 1)
                 or multiprocessing.current_process().name.startswith(_DP_PROCESS_PREFIX))
     return rank, in_group
@@ -201,8 +218,8 @@ def served_model_name(scheduler: Any) -> str | None:
     """The ``model_name`` label of vLLM's own metrics for this engine
     (``ModelConfig.served_model_name``: the first name given to ``--served-model-name``,
     else the model path), or None when this vLLM does not say."""
-    name = getattr(getattr(getattr(scheduler, "vllm_config", None), "model_config", None),
-                   "served_model_name", None)
+    name = read(read(read(scheduler, SCHEDULER_VLLM_CONFIG), VLLM_MODEL_CONFIG),
+                MODEL_SERVED_NAME)
     if isinstance(name, list | tuple):
         name = name[0] if name else None
     return name if isinstance(name, str) and name else None

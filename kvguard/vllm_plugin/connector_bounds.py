@@ -23,6 +23,12 @@ import os
 from typing import Any
 
 from kvguard.core.engine import HoldBound
+from kvguard.vllm_plugin.versions import (
+    KV_CONNECTOR,
+    KV_CONNECTOR_EXTRA_CONFIG,
+    VLLM_KV_TRANSFER_CONFIG,
+    read,
+)
 
 DEFAULT_BOUND_SECONDS = 30.0
 """When neither the user nor the connector says: a transfer taking longer is suspect."""
@@ -30,11 +36,11 @@ DEFAULT_BOUND_SECONDS = 30.0
 
 def connector_hold_bound(vllm_config: Any) -> HoldBound:
     """The delayed-free bound implied by the engine's KV connector configuration."""
-    kv = getattr(vllm_config, "kv_transfer_config", None)
-    name = getattr(kv, "kv_connector", None) if kv is not None else None
+    kv = read(vllm_config, VLLM_KV_TRANSFER_CONFIG)
+    name = read(kv, KV_CONNECTOR) if kv is not None else None
     if not name:
         return HoldBound(DEFAULT_BOUND_SECONDS, "default (no KV connector)")
-    extra = getattr(kv, "kv_connector_extra_config", None) or {}
+    extra = read(kv, KV_CONNECTOR_EXTRA_CONFIG) or {}
     bounds = [_bound_of(str(name), extra)]
     if name == "MultiConnector":
         for part in extra.get("connectors", ()) or ():

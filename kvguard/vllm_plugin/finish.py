@@ -5,6 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvguard.core.types import FinishReason
+from kvguard.vllm_plugin.versions import (
+    REQUEST_STATUS,
+    read,
+)
 
 _FINISH_REASONS = {
     "FINISHED_STOPPED": FinishReason.STOPPED,
@@ -18,5 +22,5 @@ _FINISH_REASONS = {
 
 def finish_reason_of(request: Any) -> FinishReason:
     """The finish reason of a vLLM ``Request`` (``unknown`` for a status kvguard lacks)."""
-    name = getattr(getattr(request, "status", None), "name", "")
+    name = getattr(read(request, REQUEST_STATUS), "name", "")  # the enum member's name
     return _FINISH_REASONS.get(name, FinishReason.UNKNOWN)

@@ -27,7 +27,9 @@ lifecycle transition or audit. Each hook body is wrapped in ``try``/``except``:
 a failure is counted and the engine's call proceeds unchanged. A method that
 this vLLM version lacks is listed in ``hooks_missing`` as ``<label> (off: <feature>)``
 (the feature from :mod:`kvguard.vllm_plugin.versions`) with one warning, and the engine
-runs on with its own method.
+runs on with its own method. Its feature is switched off, not only named: without one
+pool hook none is installed, and the session is told which events it will not get
+(``events_seen``; :mod:`kvguard.core.fail_soft` says what it does instead).
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ from kvguard.core.types import AcquireKind, RequestId
 from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard, InstalledHook
 from kvguard.vllm_plugin.pool_reader import block_ids_in
-from kvguard.vllm_plugin.versions import missing_message, pool_tag
+from kvguard.vllm_plugin.versions import (
+    SCHEDULER_DEFERRED_FREES,
+    missing_message,
+    pool_tag,
+    read,
+)
 
 log = logging.getLogger("kvguard")
 
@@ -89,18 +96,26 @@ def skips_blocks(coordinator: Any) -> bool:
     return any(type(m).__name__ != _NEVER_SKIPS for m in managers)
 
 
-def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
-    orig = getattr(obj, name, None)
+def _missing(g: EngineGuard, obj: Any, name: str) -> bool:
+    """Whether ``obj`` lacks the hook point ``name``; if so, say so once (log and
+    ``hooks_missing``, with the feature that is off for it)."""
+    if callable(getattr(obj, name, None)):
+        return False
+    # Fail soft (a vLLM nobody tested): the engine keeps its method as it is, the feature
+    # that needs it is off, and the state's hooks_missing says which and why.
     label = f"{type(obj).__name__}.{name}"
-    if orig is None or not callable(orig):
-        # Fail soft (a vLLM nobody tested): the engine keeps its method as it is, the
-        # feature that needs it is off, and the state's hooks_missing says which and why.
-        message = missing_message(label)
-        g.hooks_missing.append(message)
-        log.warning("kvguard: %s is not in this vLLM (%s): that hook is not installed, "
-                    "the rest of kvguard runs; findings on its path may be attributed "
-                    "less precisely", label, message.partition("(")[2].rstrip(")"))
+    message = missing_message(label)
+    g.hooks_missing.append(message)
+    log.warning("kvguard: %s is not in this vLLM (%s): that hook is not installed, "
+                "the rest of kvguard runs", label, message.partition("(")[2].rstrip(")"))
+    return True
+
+
+def _wrap(g: EngineGuard, obj: Any, name: str, make: Callable[[Any], Any]) -> None:
+    if _missing(g, obj, name):
         return
+    orig = getattr(obj, name)
+    label = f"{type(obj).__name__}.{name}"
     if getattr(orig, _MARK, False):
         return  # already installed: idempotent
     wrapper = make(orig)
@@ -270,8 +285,16 @@ def install_hooks(g: EngineGuard) -> None:
 
     pool_makers = (make_get_new_blocks, make_touch, make_release("free_blocks"),
                    make_release("unpin_blocks"))
-    for name, make in zip(POOL_HOOKS, pool_makers, strict=True):
-        _wrap(g, pool, name, make)
+    if [name for name in POOL_HOOKS if _missing(g, pool, name)]:
+        # All or none: a release never seen would read as a double free, an acquisition
+        # never seen as a block nobody holds. The session goes by the engine's tables.
+        g.events_seen.pool_events = False
+        log.warning("kvguard: pool events are off (no block pool hook is installed); leaks "
+                    "are still found from vLLM's tables and ref counts, double frees are "
+                    "not, and a leaked block is not charged to the request that held it")
+    else:
+        for name, make in zip(POOL_HOOKS, pool_makers, strict=True):
+            _wrap(g, pool, name, make)
 
     # --- scheduler: lifecycle ----------------------------------------------
     pacer = g.pacer  # reconfigured in place: the same object for the session's life
@@ -366,7 +389,7 @@ def install_hooks(g: EngineGuard) -> None:
             deferred: Any = None
             try:
                 rid = request.request_id  # a RequestId (no NewType call per event)
-                deferred = getattr(sched, "deferred_frees", None)  # vLLM's queue, if any
+                deferred = read(sched, SCHEDULER_DEFERRED_FREES)  # vLLM's queue, if any
                 n_deferred = len(deferred) if deferred is not None else 0
                 if claimed[0] != rid:  # e.g. a delayed-free completion: claim
                     g.claim(rid)
@@ -487,6 +510,11 @@ def install_hooks(g: EngineGuard) -> None:
                     make_schedule, make_update_from_output)
     for name, make in zip(SCHEDULER_HOOKS, sched_makers, strict=True):
         _wrap(g, sched, name, make)
+    hooked = set(g.hooks_installed)
+    seen = g.events_seen
+    seen.admissions, seen.finishes, seen.frees = (
+        f"{type(sched).__name__}.{name}" in hooked
+        for name in ("add_request", "_free_request", "_free_blocks"))
     track_in_flight[0] = (vllm.batches_overlap
                           and f"{type(sched).__name__}.update_from_output" in g.hooks_installed)
     g.meter.attach(_switch_for(g.installed_hooks))

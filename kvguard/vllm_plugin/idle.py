@@ -20,8 +20,10 @@ and runs the callback: kvguard's ``on_idle`` on the engine thread, between steps
 scheduler untouched by any other thread. While the engine is busy the WAKEUP is the same
 no-op and the callback waits for the next idle moment (the step-end hooks judge a busy
 engine as before); at most one callback is outstanding. The same names and behaviour
-exist in vLLM 0.32 and 0.33 (``vllm/v1/engine/core.py``); if one is missing, the binding
-logs one warning and the engine runs as before (idle drains wait for the next request).
+exist in vLLM 0.32, 0.33 and 0.34 (``vllm/v1/engine/core.py``; each a row of
+:mod:`kvguard.vllm_plugin.versions`, read through it); if one is missing, the binding
+logs one warning naming it and the engine runs as before (idle drains wait for the next
+request).
 
 Binding: :func:`bind_idle_wakeups` replaces ``run_busy_loop`` on ``EngineCoreProc`` and
 on every subclass that defines its own (``DPEngineCoreProc``), at class level, once per
@@ -48,6 +50,19 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from kvguard.core.session import HookErrors
+from kvguard.vllm_plugin.versions import (
+    ENGINE_CORE_PROC,
+    ENGINE_IDLE_CALLBACKS,
+    ENGINE_INPUT_QUEUE,
+    ENGINE_RUN_BUSY_LOOP,
+    ENGINE_SCHEDULER,
+    INPROC_ENGINE_CORE,
+    LLM_ENGINE,
+    LLM_ENGINE_CORE,
+    REQUEST_TYPE_WAKEUP,
+    missing_message,
+    read,
+)
 
 log = logging.getLogger("kvguard")
 
@@ -77,9 +92,9 @@ class EngineCoreWaker:
         thread: it must only read, e.g. a ``stat``)."""
         from vllm.v1.engine import EngineCoreRequestType
 
-        self._put = core.input_queue.put_nowait
-        self._callbacks: list[Callable[[Any], None]] = core._idle_state_callbacks
-        self._item = (EngineCoreRequestType.WAKEUP, None)
+        self._put = read(core, ENGINE_INPUT_QUEUE).put_nowait
+        self._callbacks: list[Callable[[Any], None]] = read(core, ENGINE_IDLE_CALLBACKS)
+        self._item = (read(EngineCoreRequestType, REQUEST_TYPE_WAKEUP), None)
         self._on_idle = on_idle
         self._errors = errors
         self._request_pending = request_pending
@@ -153,14 +168,14 @@ def bind_idle_wakeups() -> None:
     loaded (a process without EngineCore) or lacks the loop."""
     try:
         core_mod = sys.modules.get("vllm.v1.engine.core")
-        base = getattr(core_mod, "EngineCoreProc", None) if core_mod is not None else None
+        base = read(core_mod, ENGINE_CORE_PROC) if core_mod is not None else None
         if base is None:
             return
         for cls in (base, *_subclasses(base)):
-            orig = cls.__dict__.get("run_busy_loop")
+            orig = cls.__dict__.get(ENGINE_RUN_BUSY_LOOP.name)
             if orig is None or getattr(orig, _MARK, False):
                 continue
-            cls.run_busy_loop = _with_waker(orig)
+            setattr(cls, ENGINE_RUN_BUSY_LOOP.name, _with_waker(orig))
     except Exception as exc:
         log.warning("kvguard: idle checkpoints are off in this process (%s: %s); an idle "
                     "engine is judged when its next request arrives", type(exc).__name__, exc)
@@ -188,15 +203,20 @@ def attach_waker(core: Any) -> EngineCoreWaker | None:
     before and an idle drain waits for the next request."""
     from kvguard.vllm_plugin.guard import guard_of
 
-    guard = guard_of(getattr(core, "scheduler", None))
+    guard = guard_of(read(core, ENGINE_SCHEDULER))
     if guard is None:
         return None
     if isinstance(guard.idle_waker, EngineCoreWaker):
         return guard.idle_waker
     try:
-        missing = [a for a in ("input_queue", "_idle_state_callbacks") if not hasattr(core, a)]
+        from vllm.v1.engine import EngineCoreRequestType
+
+        missing = [p for obj, p in ((core, ENGINE_INPUT_QUEUE), (core, ENGINE_IDLE_CALLBACKS),
+                                    (EngineCoreRequestType, REQUEST_TYPE_WAKEUP))
+                   if read(obj, p) is None]
         if missing:
-            raise AttributeError(f"EngineCore has no {', '.join(missing)}")
+            raise AttributeError("this vLLM has no " + ", ".join(
+                missing_message(p.label) for p in missing))
         requests = guard.requests
         waker = EngineCoreWaker(core, guard.on_idle, errors=guard.errors,
                                 request_pending=requests.pending)
@@ -218,9 +238,9 @@ def run_idle_checks(engine: Any) -> bool:
     drain the pace let go) on that thread. False when no kvguard guard is on it."""
     from kvguard.vllm_plugin.guard import guard_of
 
-    llm_engine = getattr(engine, "llm_engine", engine)
-    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
-    guard = guard_of(getattr(core, "scheduler", None))
+    llm_engine = read(engine, LLM_ENGINE, engine)
+    core = read(read(llm_engine, LLM_ENGINE_CORE), INPROC_ENGINE_CORE)
+    guard = guard_of(read(core, ENGINE_SCHEDULER))
     if guard is None:
         return False
     with guard.contain("idle"):

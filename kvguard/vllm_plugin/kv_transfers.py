@@ -1,6 +1,7 @@
 """``VllmTransfers``: the :class:`~kvguard.core.transfers.TransferSource` of one vLLM engine.
 
-What kvguard reads from vLLM's KV connector in P/D disaggregation (vLLM 0.32, 0.33):
+What kvguard reads from vLLM's KV connector in P/D disaggregation (vLLM 0.32-0.34; per
+release in :mod:`kvguard.vllm_plugin.versions`):
 
 - The scheduler's connector (``Scheduler.connector``): its class, ``kv_role`` and, for
   NIXL, ``connector_scheduler.engine_id`` (what the decode side's ``remote_engine_id``
@@ -16,7 +17,8 @@ What kvguard reads from vLLM's KV connector in P/D disaggregation (vLLM 0.32, 0.
 
 Until a worker half has reported, :meth:`hold_deadlines` returns ``None`` and the
 configured bound (``connector_bounds``) applies; ``hold_source`` says which, and where
-the leases come from. Everything is read with ``getattr``; the worker half's own
+the leases come from. Every vLLM name is read through its row of
+:mod:`kvguard.vllm_plugin.versions` (``read``); the worker half's own
 failures are counted there and reach the session as ``errors``.
 """
 
@@ -35,6 +37,23 @@ from kvguard.core.transfers import (
 )
 from kvguard.core.worker_reports import RankJoin
 from kvguard.vllm_plugin.connector_bounds import connector_hold_bound
+from kvguard.vllm_plugin.versions import (
+    KV_CONNECTOR,
+    KV_ENGINE_ID,
+    KV_ROLE,
+    NIXL_CONNECTOR_SCHEDULER,
+    NIXL_REQS_NEED_SEND,
+    NIXL_SCHEDULER_ENGINE_ID,
+    OUTPUT_FAILED_RECVING,
+    OUTPUT_FINISHED_RECVING,
+    OUTPUT_FINISHED_SENDING,
+    OUTPUT_WORKER_META,
+    REQUEST_KV_TRANSFER_PARAMS,
+    SCHEDULER_CONNECTOR,
+    SCHEDULER_VLLM_CONFIG,
+    VLLM_KV_TRANSFER_CONFIG,
+    read,
+)
 from kvguard.vllm_plugin.worker_half import maybe_install_in_process, reports_of
 
 
@@ -47,15 +66,14 @@ class VllmTransfers:
 
     def __init__(self, scheduler: Any) -> None:
         self._scheduler = scheduler
-        self._connector = getattr(scheduler, "connector", None)
-        vllm_config = getattr(scheduler, "vllm_config", None)
-        kv = getattr(vllm_config, "kv_transfer_config", None)
-        self._connector_name = str(getattr(kv, "kv_connector", None)
-                                   or type(self._connector).__name__)
-        role = getattr(kv, "kv_role", None)
+        self._connector = read(scheduler, SCHEDULER_CONNECTOR)
+        vllm_config = read(scheduler, SCHEDULER_VLLM_CONFIG)
+        kv = read(vllm_config, VLLM_KV_TRANSFER_CONFIG)
+        self._connector_name = str(read(kv, KV_CONNECTOR) or type(self._connector).__name__)
+        role = read(kv, KV_ROLE)
         self._kv_role = str(role) if role is not None else None
-        cs = getattr(self._connector, "connector_scheduler", None)
-        engine_id = getattr(cs, "engine_id", None) or getattr(kv, "engine_id", None)
+        cs = read(self._connector, NIXL_CONNECTOR_SCHEDULER)
+        engine_id = read(cs, NIXL_SCHEDULER_ENGINE_ID) or read(kv, KV_ENGINE_ID)
         self._kv_engine_id = str(engine_id) if engine_id is not None else None
         self._fallback = connector_hold_bound(vllm_config)
         self.join = RankJoin()
@@ -109,8 +127,8 @@ class VllmTransfers:
             return None
         out = self.join.deadlines()
         now_unix, now_perf = time.time(), time.perf_counter()
-        cs = getattr(self._connector, "connector_scheduler", None)
-        src = getattr(cs, "_reqs_need_send", None)  # granted, not yet handed to the worker
+        cs = read(self._connector, NIXL_CONNECTOR_SCHEDULER)
+        src = read(cs, NIXL_REQS_NEED_SEND)  # granted, not yet handed to the worker
         if isinstance(src, dict):
             for rid, deadline in list(src.items()):
                 if isinstance(deadline, int | float) and str(rid) not in out:
@@ -125,7 +143,7 @@ class VllmTransfers:
     # ---------------------------------------------------- scheduler-side events
     def admitted(self, request: Any, at: float) -> TransferEvent | None:
         """A decode-side request that will read its KV from a remote prefill engine."""
-        params = getattr(request, "kv_transfer_params", None)
+        params = read(request, REQUEST_KV_TRANSFER_PARAMS)
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             return None
         engine = params.get("remote_engine_id")
@@ -138,7 +156,7 @@ class VllmTransfers:
     @staticmethod
     def hold_started(request: Any, at: float) -> TransferEvent | None:
         """A prefill-side request whose blocks vLLM keeps for a remote decode read."""
-        params = getattr(request, "kv_transfer_params", None)
+        params = read(request, REQUEST_KV_TRANSFER_PARAMS)
         if not isinstance(params, dict) or not params.get("do_remote_decode"):
             return None
         return TransferEvent(TransferEventKind.STARTED, str(request.request_id), at,
@@ -147,23 +165,23 @@ class VllmTransfers:
     def connector_output(self, output: Any, at: float) -> list[TransferEvent]:
         """What ``Scheduler._update_from_kv_xfer_finished`` is about to apply: the worker
         halves' news first (a lapsed lease is also in ``finished_sending``)."""
-        events = self.join.feed(reports_of(getattr(output, "kv_connector_worker_meta", None)))
-        for rid in getattr(output, "finished_recving", None) or ():
+        events = self.join.feed(reports_of(read(output, OUTPUT_WORKER_META)))
+        for rid in read(output, OUTPUT_FINISHED_RECVING) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
                                         outcome=TransferOutcome.RECEIVED))
-        for rid in getattr(output, "failed_recving", None) or ():
+        for rid in read(output, OUTPUT_FAILED_RECVING) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at,
                                         outcome=TransferOutcome.FAILED))
         # With a worker half reporting, a lapse was reported above (the same step), so
         # what is left ended by reads; without one, read and lapse look the same.
         sent = TransferOutcome.READ if self.join.reporting else TransferOutcome.RELEASED
-        for rid in getattr(output, "finished_sending", None) or ():
+        for rid in read(output, OUTPUT_FINISHED_SENDING) or ():
             events.append(TransferEvent(TransferEventKind.ENDED, str(rid), at, outcome=sent))
         return events
 
 
 def transfers_of(scheduler: Any) -> VllmTransfers | None:
     """The transfer source of a scheduler with a KV connector, else ``None``."""
-    if getattr(scheduler, "connector", None) is None:
+    if read(scheduler, SCHEDULER_CONNECTOR) is None:
         return None
     return VllmTransfers(scheduler)

@@ -1,7 +1,8 @@
 """``VllmOffload``: the :class:`~kvguard.core.offload.OffloadSource` of vLLM's
-OffloadingConnector (vLLM 0.32).
+OffloadingConnector (vLLM 0.32-0.34).
 
-What it reads, all on the scheduler side (EngineCore), between steps, with ``getattr``:
+What it reads, all on the scheduler side (EngineCore), between steps, each name through its
+row of :mod:`kvguard.vllm_plugin.versions` (``read``; the same in 0.32, 0.33 and 0.34):
 
 - ``Scheduler.connector.connector_scheduler._jobs``: job id -> ``TransferJobStatus``
   (``req_id``, ``is_store``, ``keys``, ``fenced_block_ids``,
@@ -28,6 +29,23 @@ from collections.abc import Callable
 from typing import Any
 
 from kvguard.core.offload import JobKind, OffloadJob, OffloadReading, OffloadTier, WaitingRequest
+from kvguard.vllm_plugin.versions import (
+    CPU_TIER_COUNTERS,
+    JOB_DEFERRED_FENCE_BLOCK_IDS,
+    JOB_FENCED_BLOCK_IDS,
+    JOB_IS_STORE,
+    JOB_KEYS,
+    JOB_REQ_ID,
+    OFFLOAD_CONNECTOR_SCHEDULER,
+    OFFLOAD_JOBS,
+    OFFLOAD_MANAGER,
+    OFFLOAD_REQ_STATUS,
+    OFFLOAD_STATE_DEFERRED_LOOKUP_START,
+    OFFLOAD_STATE_REQ,
+    REQUEST_IS_FINISHED,
+    SCHEDULER_CONNECTOR,
+    read,
+)
 
 __all__ = ["VllmOffload", "offload_source_of"]
 
@@ -35,10 +53,10 @@ __all__ = ["VllmOffload", "offload_source_of"]
 def offload_source_of(scheduler: Any,
                       client_id_of: Callable[[str], str] | None = None) -> VllmOffload | None:
     """The engine's offloading connector, or None when it has none."""
-    connector = getattr(scheduler, "connector", None)
-    cs = getattr(connector, "connector_scheduler", None)
-    if cs is None or not isinstance(getattr(cs, "_jobs", None), dict) \
-            or getattr(cs, "manager", None) is None:
+    connector = read(scheduler, SCHEDULER_CONNECTOR)
+    cs = read(connector, OFFLOAD_CONNECTOR_SCHEDULER)
+    if cs is None or not isinstance(read(cs, OFFLOAD_JOBS), dict) \
+            or read(cs, OFFLOAD_MANAGER) is None:
         return None
     return VllmOffload(type(connector).__name__, cs, client_id_of)
 
@@ -62,35 +80,35 @@ class VllmOffload:
         now = time.monotonic()
         self._reads += 1
         cs = self._cs
-        jobs_raw: dict[int, Any] = getattr(cs, "_jobs", {}) or {}
-        req_status: dict[str, Any] = getattr(cs, "_req_status", {}) or {}
+        jobs_raw: dict[int, Any] = read(cs, OFFLOAD_JOBS) or {}
+        req_status: dict[str, Any] = read(cs, OFFLOAD_REQ_STATUS) or {}
         seen = self._first_seen
         for gone in seen.keys() - jobs_raw.keys():
             del seen[gone]
         jobs: list[OffloadJob] = []
         for job_id, st in jobs_raw.items():
             first = seen.setdefault(job_id, (now, self._reads))
-            rid = str(getattr(st, "req_id", ""))
+            rid = str(read(st, JOB_REQ_ID, ""))
             rs = req_status.get(rid)
-            req = getattr(rs, "req", None)
-            finished = bool(req.is_finished()) if req is not None else True
-            fenced = len(getattr(st, "fenced_block_ids", None) or ())
+            req = read(rs, OFFLOAD_STATE_REQ)
+            finished = _finished(req)
+            fenced = len(read(st, JOB_FENCED_BLOCK_IDS) or ())
             if finished:
-                fenced += len(getattr(st, "deferred_fence_block_ids", None) or ())
+                fenced += len(read(st, JOB_DEFERRED_FENCE_BLOCK_IDS) or ())
             # model_construct: no validation on the engine thread (every field is built
             # with its type here); hundreds of jobs can be in flight under load.
             jobs.append(OffloadJob.model_construct(
                 job_id=int(job_id),
-                kind=JobKind.STORE if getattr(st, "is_store", False) else JobKind.LOAD,
+                kind=JobKind.STORE if read(st, JOB_IS_STORE, False) else JobKind.LOAD,
                 request_id=rid, client_request_id=self._client(rid),
-                request_finished=finished, chunks=len(getattr(st, "keys", ()) or ()),
+                request_finished=finished, chunks=len(read(st, JOB_KEYS) or ()),
                 fenced_blocks=fenced, age_seconds=max(0.0, now - first[0]),
                 age_steps=self._reads - first[1]))
         waiting: list[WaitingRequest] = []
         for rid, rs in req_status.items():
-            started = getattr(rs, "deferred_lookup_start_time", None)
-            req = getattr(rs, "req", None)
-            if started is None or req is None or req.is_finished():
+            started = read(rs, OFFLOAD_STATE_DEFERRED_LOOKUP_START)
+            req = read(rs, OFFLOAD_STATE_REQ)
+            if started is None or req is None or _finished(req):
                 continue
             waiting.append(WaitingRequest.model_construct(request_id=str(rid),
                                           client_request_id=self._client(str(rid)),
@@ -103,17 +121,27 @@ class VllmOffload:
         return self._client_id_of(rid)
 
     def _tier(self) -> OffloadTier | None:
-        m: Any = getattr(self._cs, "manager", None)
+        m: Any = read(self._cs, OFFLOAD_MANAGER)
+        chunks, allocated_, free_list_, evictable_, pending_ = (read(m, c)
+                                                                for c in CPU_TIER_COUNTERS)
         try:
-            capacity = int(m._num_chunks)
-            allocated = int(m._num_allocated_chunks)
-            free_list = len(m._free_list)
-            evictable = int(m._num_evictable_cache_chunks)
-            pending = int(m._num_write_pending_chunks)
-        except (AttributeError, TypeError):
+            capacity = int(chunks)
+            allocated = int(allocated_)
+            free_list = len(free_list_)
+            evictable = int(evictable_)
+            pending = int(pending_)
+        except TypeError:  # another manager (None read): no tier counts
             return None
         used = allocated - free_list
         ready = used - pending
         return OffloadTier(capacity=capacity, ready=max(0, ready),
                            read_pinned=max(0, ready - evictable),
                            write_pending=max(0, pending), free=max(0, capacity - used))
+
+
+def _finished(req: Any) -> bool:
+    """Whether vLLM's request is finished (a request no longer tracked counts as finished)."""
+    if req is None:
+        return True
+    is_finished = read(req, REQUEST_IS_FINISHED)
+    return bool(is_finished()) if callable(is_finished) else True

@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 from kvguard.core.snapshot import PoolSlice, PoolSnapshot
-from kvguard.vllm_plugin.versions import pool_tag
+from kvguard.vllm_plugin.versions import (
+    BLOCK_HASH_FIELD,
+    BLOCK_HASH_SLOT,
+    block_hash_attr,
+    pool_tag,
+)
 
 
 def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot:
@@ -52,9 +57,10 @@ def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot
 
 
 def _hash_attr(blocks: Sequence[Any]) -> str:
-    """vLLM 0.32+ keeps the hash in the ``_block_hash`` slot (``block_hash`` is a property
-    over it); older releases in a plain ``block_hash`` attribute."""
-    return "_block_hash" if blocks and hasattr(blocks[0], "_block_hash") else "block_hash"
+    """Where this vLLM's blocks keep their prefix hash (the version layer's
+    :func:`~kvguard.vllm_plugin.versions.block_hash_attr`: ``_block_hash`` in 0.32 and
+    0.33, ``block_hash`` in 0.34)."""
+    return block_hash_attr(blocks[0]) if blocks else BLOCK_HASH_FIELD.name
 
 
 def _read_hashes(blocks: list[Any]) -> list[Any]:
@@ -65,7 +71,7 @@ def _read_hashes(blocks: list[Any]) -> list[Any]:
     it 2.5x faster than ``attrgetter``'s generic lookup (2.1 vs 5.3 ms per 100,000
     blocks measured, both fields). The hash is truthy exactly when the block is cached.
     """
-    if _hash_attr(blocks) == "_block_hash":
+    if _hash_attr(blocks) == BLOCK_HASH_SLOT.name:
         return [b._block_hash for b in blocks]
     return [b.block_hash for b in blocks]
 
@@ -101,7 +107,7 @@ class BlockHashes(Sequence[object]):
     def ref_counts_of_cached(self) -> list[int]:
         """The ``ref_cnt`` of every block that carries a hash, in block order: one pass,
         with no list of hashes built (``.count(0)``: the evictable ones)."""
-        if self._attr == "_block_hash":
+        if self._attr == BLOCK_HASH_SLOT.name:
             return [b.ref_cnt for b in self._blocks if b._block_hash is not None]
         return [b.ref_cnt for b in self._blocks if b.block_hash is not None]
 

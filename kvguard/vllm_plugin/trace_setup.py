@@ -17,14 +17,20 @@ from kvguard.tracing.config import tracing_settings
 from kvguard.tracing.records import DEFAULT_SERVICE_NAME, TraceIdentity
 from kvguard.tracing.setup import start_tracing
 from kvguard.tracing.tracer import RequestTracer
+from kvguard.vllm_plugin.versions import (
+    OTLP_TRACES_ENDPOINT,
+    SCHEDULER_VLLM_CONFIG,
+    VLLM_OBSERVABILITY_CONFIG,
+    read,
+)
 
 log = logging.getLogger("kvguard")
 
 
 def otlp_traces_endpoint(scheduler: Any) -> str | None:
     """vLLM's ``--otlp-traces-endpoint`` for this engine (None: not set, or unreadable)."""
-    obs = getattr(getattr(scheduler, "vllm_config", None), "observability_config", None)
-    endpoint = getattr(obs, "otlp_traces_endpoint", None)
+    obs = read(read(scheduler, SCHEDULER_VLLM_CONFIG), VLLM_OBSERVABILITY_CONFIG)
+    endpoint = read(obs, OTLP_TRACES_ENDPOINT)
     return endpoint if isinstance(endpoint, str) and endpoint else None
 
 

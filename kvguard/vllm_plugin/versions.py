@@ -14,6 +14,8 @@ the hooks:
   (the pool in 0.32 and 0.33, a weak reference to it in 0.34);
 * :func:`released_request`: what ``KVCacheManager.free`` reads of a request vLLM no
   longer has (its ``request_id``, in 0.32-0.34), for reclaim;
+* :func:`block_hash_attr`: where a block keeps its prefix hash (``_block_hash`` in 0.32 and
+  0.33, ``block_hash`` in 0.34);
 * :func:`model_runner_output`: vLLM's ``ModelRunnerOutput`` for hand-stepped schedulers
   (``req_id_to_index`` is gone in 0.34; test tooling only, kvguard's runtime never builds one).
 
@@ -42,6 +44,11 @@ class Presence(Enum):
 class Feature(Enum):
     """A kvguard feature that needs some touch point; off when one of them is missing."""
 
+    IDENTITY = "engine name and labels (DP rank, model name)"
+    WEDGE = "wedge verdict"
+    TRACING = "findings in request traces"
+    AUDIT = "audits (the pool read)"
+    """Without it kvguard cannot tell a cached block from a free one: no audit is right."""
     POOL_EVENTS = "pool events"
     """Block movements seen as they happen (ref-count drift and double-free evidence
     between audits); without them audits still claim from the engine's block tables."""
@@ -61,6 +68,9 @@ class Feature(Enum):
     NIXL_LEASES = "NIXL lease reports (worker half)"
     OFFLOAD_AUDIT = "offload job audit"
     RECLAIM = "reclaim of a skipped free (KVGUARD_RECLAIM)"
+    OFFLOAD_TIER = "CPU offload tier counts"
+    IDLE = "idle checkpoints"
+    """Without them an idle engine is judged when its next request arrives."""
     TEST_TOOLING = "none (test tooling only)"
 
 
@@ -82,7 +92,9 @@ class TouchPoint(NamedTuple):
     name: str
     kind: str
     """``method`` (kvguard wraps it), ``called method`` (kvguard calls it, never wraps it),
-    ``field`` (read) or ``dataclass field``."""
+    ``field`` (read), ``dataclass field``, ``enum member``, or ``module class`` / ``module
+    global`` (``owner`` is then the module's last name, e.g. ``core`` for
+    ``vllm/v1/engine/core.py``)."""
     presence: tuple[Presence, ...]
     """Per release, in :data:`RELEASES` order."""
     feature: Feature
@@ -105,6 +117,167 @@ _ALL = (_P, _P, _P)
 _NIXL = "distributed/kv_transfer/kv_connector/v1/nixl/"
 _OFFLOAD = "distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py"
 
+BLOCK_HASH_SLOT: Final = TouchPoint(
+    "KVCacheBlock", "_block_hash", "dataclass field", (_P, _P, _A), Feature.AUDIT,
+    "renamed `block_hash` in 0.34: `block_hash_attr`")
+BLOCK_HASH_FIELD: Final = TouchPoint(
+    "KVCacheBlock", "block_hash", "dataclass field", (_A, _A, _P), Feature.AUDIT,
+    "0.34's name for `_block_hash` (0.32, 0.33: a property over that slot)")
+
+SCHEDULER_DEFERRED_FREES: Final = TouchPoint("Scheduler", "deferred_frees", "field", _ALL,
+                                             Feature.DEFERRED_FREE)
+(SCHEDULER_REQUESTS, SCHEDULER_RUNNING, SCHEDULER_WAITING) = (
+    TouchPoint("Scheduler", name, "field", _ALL, Feature.STEP_END, "what runs, waits, is kept")
+    for name in ("requests", "running", "waiting"))
+(SCHEDULER_KV_HOLDING_WAITING, SCHEDULER_BLOCK_SIZE, SCHEDULER_MAX_NUM_SCHEDULED_TOKENS,
+ SCHEDULER_CACHE_CONFIG, SCHEDULER_SCHEDULER_CONFIG) = (
+    TouchPoint("Scheduler", name, "field", _ALL, Feature.WEDGE)
+    for name in ("kv_holding_waiting", "block_size", "max_num_scheduled_tokens",
+                 "cache_config", "scheduler_config"))
+SCHEDULER_KV_CACHE_MANAGER: Final = TouchPoint("Scheduler", "kv_cache_manager", "field", _ALL,
+                                               Feature.AUDIT)
+BLOCK_POOL_BLOCKS, BLOCK_POOL_NULL_BLOCK = (
+    TouchPoint("BlockPool", name, "field", _ALL, Feature.AUDIT)
+    for name in ("blocks", "null_block"))
+
+_CONN = "distributed/kv_transfer/kv_connector/"
+_BASE = _CONN + "v1/base.py"
+_ENGINE = "v1/engine/core.py"
+
+
+def _field(owner: str, name: str, feature: Feature, source: str, kind: str = "field",
+           note: str = "") -> TouchPoint:
+    """A touch point present in every release, read from ``source`` (module docstring)."""
+    return TouchPoint(owner, name, kind, _ALL, feature, note, source)
+
+
+# --- read in place by the plugin (adapter, waiting_reader, connector_bounds, finish,
+# trace_setup, kv_transfers, offload_reader, worker_half, idle; tests/test_versions_table.py
+# keeps them from spelling a vLLM name), each through :func:`read` with its row, so a name
+# that moves in a release moves here only.
+KVM_BLOCK_POOL: Final = _field("KVCacheManager", "block_pool", Feature.AUDIT,
+                              "v1/core/kv_cache_manager.py")
+REQUEST_QUEUE_PEEK: Final = _field("RequestQueue", "peek_request", Feature.WEDGE,
+                                   "v1/core/sched/request_queue.py", "method")
+(REQUEST_ID, REQUEST_ARRIVAL_TIME, REQUEST_NUM_TOKENS, REQUEST_NUM_COMPUTED_TOKENS) = (
+    _field("Request", name, Feature.WEDGE, "v1/request.py")
+    for name in ("request_id", "arrival_time", "num_tokens", "num_computed_tokens"))
+REQUEST_STATUS: Final = _field("Request", "status", Feature.FINISH, "v1/request.py")
+CACHE_BLOCK_SIZE: Final = _field("CacheConfig", "block_size", Feature.WEDGE, "config/cache.py")
+CHUNKED_PREFILL: Final = _field("SchedulerConfig", "enable_chunked_prefill", Feature.WEDGE,
+                                "config/scheduler.py")
+SCHEDULED_TOKENS: Final = _field("SchedulerOutput", "total_num_scheduled_tokens",
+                                 Feature.STEP_TIMING, "v1/core/sched/output.py",
+                                 "dataclass field")
+VLLM_MAX_CONCURRENT_BATCHES: Final = _field("VllmConfig", "max_concurrent_batches",
+                                            Feature.STEP_TIMING, "config/vllm.py", "property")
+VLLM_MODEL_CONFIG: Final = _field("VllmConfig", "model_config", Feature.IDENTITY,
+                                  "config/vllm.py")
+MODEL_SERVED_NAME: Final = _field("ModelConfig", "served_model_name", Feature.IDENTITY,
+                                  "config/model.py")
+PARALLEL_DP_INDEX, PARALLEL_DP_RANK, PARALLEL_DP_SIZE = (
+    _field("ParallelConfig", name, Feature.IDENTITY, "config/parallel.py")
+    for name in ("data_parallel_index", "data_parallel_rank", "data_parallel_size"))
+VLLM_OBSERVABILITY_CONFIG: Final = _field("VllmConfig", "observability_config",
+                                          Feature.TRACING, "config/vllm.py")
+OTLP_TRACES_ENDPOINT: Final = _field("ObservabilityConfig", "otlp_traces_endpoint",
+                                     Feature.TRACING, "config/observability.py")
+KV_CONNECTOR_EXTRA_CONFIG: Final = _field("KVTransferConfig", "kv_connector_extra_config",
+                                          Feature.TRANSFERS, "config/kv_transfer.py")
+
+REQUEST_KV_TRANSFER_PARAMS: Final = _field("Request", "kv_transfer_params", Feature.TRANSFERS,
+                                           "v1/request.py")
+REQUEST_IS_FINISHED: Final = _field("Request", "is_finished", Feature.OFFLOAD_AUDIT,
+                                    "v1/request.py", "method")
+SCHEDULER_CONNECTOR: Final = TouchPoint("Scheduler", "connector", "field", _ALL,
+                                        Feature.TRANSFERS, "None without a KV connector")
+SCHEDULER_VLLM_CONFIG: Final = TouchPoint("Scheduler", "vllm_config", "field", _ALL,
+                                          Feature.TRANSFERS)
+(OUTPUT_FINISHED_SENDING, OUTPUT_FINISHED_RECVING, OUTPUT_FAILED_RECVING,
+ OUTPUT_WORKER_META) = (
+    _field("KVConnectorOutput", name, Feature.TRANSFERS, "v1/outputs.py", "dataclass field")
+    for name in ("finished_sending", "finished_recving", "failed_recving",
+                 "kv_connector_worker_meta"))
+VLLM_KV_TRANSFER_CONFIG: Final = _field("VllmConfig", "kv_transfer_config", Feature.TRANSFERS,
+                                        "config/vllm.py")
+KV_CONNECTOR, KV_ROLE, KV_ENGINE_ID = (
+    _field("KVTransferConfig", name, Feature.TRANSFERS, "config/kv_transfer.py")
+    for name in ("kv_connector", "kv_role", "engine_id"))
+NIXL_CONNECTOR_SCHEDULER: Final = _field("NixlBaseConnector", "connector_scheduler",
+                                         Feature.TRANSFERS, _NIXL + "connector.py")
+NIXL_CONNECTOR_WORKER: Final = _field("NixlBaseConnector", "connector_worker",
+                                      Feature.NIXL_LEASES, _NIXL + "connector.py")
+NIXL_SCHEDULER_ENGINE_ID: Final = _field("NixlBaseConnectorScheduler", "engine_id",
+                                         Feature.TRANSFERS, _NIXL + "base_scheduler.py")
+NIXL_REQS_NEED_SEND: Final = _field("NixlBaseConnectorScheduler", "_reqs_need_send",
+                                    Feature.TRANSFERS, _NIXL + "base_scheduler.py")
+(NIXL_REQS_TO_SEND, NIXL_REQS_TO_PROCESS, NIXL_READS_BY_REQ, NIXL_EXPECTED_READS_BY_REQ,
+ NIXL_TP_RANK, NIXL_WRAPPER) = (
+    _field("NixlBaseConnectorWorker", name, Feature.NIXL_LEASES, _NIXL + "base_worker.py")
+    for name in ("_reqs_to_send", "_reqs_to_process", "consumer_notification_counts_by_req",
+                 "expected_consumer_notifications_by_req", "tp_rank", "nixl_wrapper"))
+NIXL_REAP_EXPIRED_SEND_LEASES: Final = _field(
+    "NixlBaseConnectorWorker", "_reap_expired_send_leases", Feature.NIXL_LEASES,
+    _NIXL + "base_worker.py", "method")
+CONNECTOR_GET_TRANSFER_RESULTS: Final = _field(
+    "NixlBaseConnector", "get_transfer_results", Feature.NIXL_LEASES, _NIXL + "connector.py",
+    "method")
+CONNECTOR_BUILD_WORKER_META: Final = _field(
+    "KVConnectorBase_V1", "build_connector_worker_meta", Feature.NIXL_LEASES, _BASE, "method",
+    "the worker halves' channel (their reports travel in `kv_connector_worker_meta`)")
+TRANSFER_RESULTS_FINISHED_SENDING, TRANSFER_RESULTS_FINISHED_RECVING = (
+    _field("KVConnectorTransferResults", name, Feature.NIXL_LEASES, _BASE)
+    for name in ("finished_sending", "finished_recving"))
+WORKER_META_CLASS: Final = _field("base", "KVConnectorWorkerMetadata", Feature.NIXL_LEASES,
+                                  _BASE, "module class")
+FACTORY_CREATE_CONNECTOR: Final = _field("KVConnectorFactory", "create_connector",
+                                         Feature.NIXL_LEASES, _CONN + "factory.py", "method")
+KV_CONNECTOR_AGENT: Final = _field("kv_transfer_state", "_KV_CONNECTOR_AGENT",
+                                   Feature.NIXL_LEASES,
+                                   "distributed/kv_transfer/kv_transfer_state.py",
+                                   "module global", "the one-process executor's worker side")
+KV_ROLE_WORKER: Final = _field("KVConnectorRole", "WORKER", Feature.NIXL_LEASES, _BASE,
+                               "enum member")
+VLLM_PARALLEL_CONFIG: Final = _field("VllmConfig", "parallel_config", Feature.NIXL_LEASES,
+                                     "config/vllm.py")
+PARALLEL_TP_SIZE, PARALLEL_PP_SIZE = (
+    _field("ParallelConfig", name, Feature.NIXL_LEASES, "config/parallel.py")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"))
+OFFLOAD_CONNECTOR_SCHEDULER: Final = _field(
+    "OffloadingConnector", "connector_scheduler", Feature.OFFLOAD_AUDIT,
+    _CONN + "v1/offloading_connector.py")
+OFFLOAD_JOBS, OFFLOAD_REQ_STATUS, OFFLOAD_MANAGER = (
+    _field("OffloadingConnectorScheduler", name, Feature.OFFLOAD_AUDIT, _OFFLOAD)
+    for name in ("_jobs", "_req_status", "manager"))
+(JOB_REQ_ID, JOB_IS_STORE, JOB_KEYS, JOB_FENCED_BLOCK_IDS,
+ JOB_DEFERRED_FENCE_BLOCK_IDS) = (
+    _field("TransferJobStatus", name, Feature.OFFLOAD_AUDIT, _OFFLOAD)
+    for name in ("req_id", "is_store", "keys", "fenced_block_ids",
+                 "deferred_fence_block_ids"))
+OFFLOAD_STATE_REQ, OFFLOAD_STATE_DEFERRED_LOOKUP_START = (
+    _field("RequestOffloadState", name, Feature.OFFLOAD_AUDIT, _OFFLOAD)
+    for name in ("req", "deferred_lookup_start_time"))
+CPU_TIER_COUNTERS: Final = tuple(
+    _field("CPUOffloadingManager", name, Feature.OFFLOAD_TIER, "v1/kv_offload/cpu/manager.py")
+    for name in ("_num_chunks", "_num_allocated_chunks", "_free_list",
+                 "_num_evictable_cache_chunks", "_num_write_pending_chunks"))
+"""The CPU tier's chunk counters, in the order :class:`OffloadTier` is computed from."""
+ENGINE_CORE_PROC: Final = _field("core", "EngineCoreProc", Feature.IDLE, _ENGINE,
+                                 "module class", "the multiprocess engine's busy loop")
+ENGINE_RUN_BUSY_LOOP: Final = _field("EngineCoreProc", "run_busy_loop", Feature.IDLE,
+                                     _ENGINE, "method")
+ENGINE_INPUT_QUEUE: Final = _field("EngineCoreProc", "input_queue", Feature.IDLE, _ENGINE)
+ENGINE_IDLE_CALLBACKS: Final = _field("EngineCore", "_idle_state_callbacks", Feature.IDLE,
+                                      _ENGINE)
+ENGINE_SCHEDULER: Final = _field("EngineCore", "scheduler", Feature.IDLE, _ENGINE)
+REQUEST_TYPE_WAKEUP: Final = _field("EngineCoreRequestType", "WAKEUP", Feature.IDLE,
+                                    "v1/engine/__init__.py", "enum member")
+LLM_ENGINE: Final = _field("LLM", "llm_engine", Feature.IDLE, "entrypoints/llm.py")
+LLM_ENGINE_CORE: Final = _field("LLMEngine", "engine_core", Feature.IDLE,
+                                "v1/engine/llm_engine.py")
+INPROC_ENGINE_CORE: Final = _field("InprocClient", "engine_core", Feature.IDLE,
+                                   "v1/engine/core_client.py")
+
 TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("BlockPool", "get_new_blocks", "method", _ALL, Feature.POOL_EVENTS),
     TouchPoint("BlockPool", "touch", "method", _ALL, Feature.POOL_EVENTS),
@@ -123,7 +296,7 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
                Feature.TRANSFERS, "hooked only when the engine has a KV connector"),
     TouchPoint("KVCacheCoordinator", "remove_skipped_blocks", "method", _ALL,
                Feature.SLIDING_WINDOW, "hooked only when a KV group frees blocks early"),
-    TouchPoint("Scheduler", "deferred_frees", "field", _ALL, Feature.DEFERRED_FREE),
+    SCHEDULER_DEFERRED_FREES,
     TouchPoint("KVCacheManager", "free", "called method", _ALL, Feature.RECLAIM,
                "called by reclaim, never wrapped; reads only the request's `request_id` "
                "(`released_request`)"),
@@ -131,33 +304,39 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
                Feature.POOL_OWNERSHIP,
                "0.34 holds a weak reference to the pool (`BlockPool._weak_self`), so "
                "comparing with the pool matched no block: `pool_tag`"),
+    BLOCK_HASH_SLOT, BLOCK_HASH_FIELD,
+    SCHEDULER_REQUESTS, SCHEDULER_RUNNING, SCHEDULER_WAITING, SCHEDULER_KV_HOLDING_WAITING,
+    SCHEDULER_BLOCK_SIZE, SCHEDULER_MAX_NUM_SCHEDULED_TOKENS, SCHEDULER_CACHE_CONFIG,
+    SCHEDULER_SCHEDULER_CONFIG, SCHEDULER_KV_CACHE_MANAGER, BLOCK_POOL_BLOCKS,
+    BLOCK_POOL_NULL_BLOCK, KVM_BLOCK_POOL, REQUEST_QUEUE_PEEK, REQUEST_ID,
+    REQUEST_ARRIVAL_TIME, REQUEST_NUM_TOKENS, REQUEST_NUM_COMPUTED_TOKENS, REQUEST_STATUS,
+    CACHE_BLOCK_SIZE, CHUNKED_PREFILL, SCHEDULED_TOKENS, VLLM_MAX_CONCURRENT_BATCHES,
+    VLLM_MODEL_CONFIG, MODEL_SERVED_NAME, PARALLEL_DP_INDEX, PARALLEL_DP_RANK,
+    PARALLEL_DP_SIZE, VLLM_OBSERVABILITY_CONFIG, OTLP_TRACES_ENDPOINT,
+    KV_CONNECTOR_EXTRA_CONFIG,
     TouchPoint("BlockPool", "cached_block_hash_to_block", "field", (_P, _P, _C),
                Feature.KV_EVENTS_MIRROR, "0.34 maps a hash to a block id, not a block; "
                "kvguard reads only its keys"),
     TouchPoint("ModelRunnerOutput", "req_id_to_index", "dataclass field", (_P, _P, _A),
                Feature.TEST_TOOLING, "`model_runner_output`"),
-    *(TouchPoint("KVConnectorOutput", name, "dataclass field", _ALL, Feature.TRANSFERS,
-                 source="v1/outputs.py")
-      for name in ("finished_sending", "finished_recving", "failed_recving",
-                   "kv_connector_worker_meta")),
-    TouchPoint("Request", "kv_transfer_params", "field", _ALL, Feature.TRANSFERS,
-               source="v1/request.py"),
-    TouchPoint("NixlBaseConnector", "connector_scheduler", "field", _ALL, Feature.TRANSFERS,
-               source=_NIXL + "connector.py"),
-    TouchPoint("NixlBaseConnector", "connector_worker", "field", _ALL, Feature.NIXL_LEASES,
-               source=_NIXL + "connector.py"),
-    TouchPoint("NixlBaseConnectorScheduler", "_reqs_need_send", "field", _ALL,
-               Feature.TRANSFERS, source=_NIXL + "base_scheduler.py"),
-    *(TouchPoint("NixlBaseConnectorWorker", name, kind, _ALL, Feature.NIXL_LEASES,
-                 source=_NIXL + "base_worker.py")
-      for name, kind in (("_reqs_to_send", "field"), ("nixl_wrapper", "field"),
-                         ("_reap_expired_send_leases", "method"))),
-    *(TouchPoint("OffloadingConnectorScheduler", name, "field", _ALL, Feature.OFFLOAD_AUDIT,
-                 source=_OFFLOAD) for name in ("_jobs", "_req_status", "manager")),
-    *(TouchPoint("TransferJobStatus", name, "field", _ALL, Feature.OFFLOAD_AUDIT,
-                 source=_OFFLOAD) for name in ("fenced_block_ids", "deferred_fence_block_ids")),
-    TouchPoint("RequestOffloadState", "deferred_lookup_start_time", "field", _ALL,
-               Feature.OFFLOAD_AUDIT, source=_OFFLOAD),
+    OUTPUT_FINISHED_SENDING, OUTPUT_FINISHED_RECVING, OUTPUT_FAILED_RECVING,
+    OUTPUT_WORKER_META, REQUEST_KV_TRANSFER_PARAMS, REQUEST_IS_FINISHED,
+    SCHEDULER_CONNECTOR, SCHEDULER_VLLM_CONFIG,
+    VLLM_KV_TRANSFER_CONFIG, KV_CONNECTOR, KV_ROLE, KV_ENGINE_ID,
+    NIXL_CONNECTOR_SCHEDULER, NIXL_CONNECTOR_WORKER, NIXL_SCHEDULER_ENGINE_ID,
+    NIXL_REQS_NEED_SEND,
+    NIXL_REQS_TO_SEND, NIXL_REQS_TO_PROCESS, NIXL_READS_BY_REQ, NIXL_EXPECTED_READS_BY_REQ,
+    NIXL_TP_RANK, NIXL_WRAPPER, NIXL_REAP_EXPIRED_SEND_LEASES,
+    CONNECTOR_GET_TRANSFER_RESULTS, CONNECTOR_BUILD_WORKER_META,
+    TRANSFER_RESULTS_FINISHED_SENDING, TRANSFER_RESULTS_FINISHED_RECVING,
+    WORKER_META_CLASS, FACTORY_CREATE_CONNECTOR, KV_CONNECTOR_AGENT,
+    KV_ROLE_WORKER, VLLM_PARALLEL_CONFIG, PARALLEL_TP_SIZE, PARALLEL_PP_SIZE,
+    OFFLOAD_CONNECTOR_SCHEDULER, OFFLOAD_JOBS, OFFLOAD_REQ_STATUS, OFFLOAD_MANAGER,
+    JOB_REQ_ID, JOB_IS_STORE, JOB_KEYS, JOB_FENCED_BLOCK_IDS, JOB_DEFERRED_FENCE_BLOCK_IDS,
+    OFFLOAD_STATE_REQ, OFFLOAD_STATE_DEFERRED_LOOKUP_START,
+    *CPU_TIER_COUNTERS,
+    ENGINE_CORE_PROC, ENGINE_RUN_BUSY_LOOP, ENGINE_INPUT_QUEUE, ENGINE_IDLE_CALLBACKS,
+    ENGINE_SCHEDULER, REQUEST_TYPE_WAKEUP, LLM_ENGINE, LLM_ENGINE_CORE, INPROC_ENGINE_CORE,
 )
 """Every vLLM internal kvguard touches, with its presence per release (from each release's
 source; checked against the installed one by tests/scheduler/test_versions.py)."""
@@ -189,6 +368,13 @@ def missing_message(label: str) -> str:
     feature = feature_of(label)
     off = feature.value if feature is not None else "its hook"
     return f"{label} (off: {off})"
+
+
+def read(obj: Any, point: TouchPoint, default: Any = None) -> Any:
+    """``obj``'s ``point`` (a field, or a method to call or wrap), ``default`` when this vLLM
+    has none: the one way the plugin reads a vLLM internal in place, so a name a release
+    moves is changed in its row only."""
+    return getattr(obj, point.name, default)
 
 
 def release_of(version: str) -> str | None:
@@ -223,6 +409,14 @@ def released_request(request_id: str) -> Any:
     it from the installed vLLM's source). A release that reads more fails the reclaim,
     which is counted and refused, never the engine."""
     return _ReleasedRequest(request_id)
+def block_hash_attr(block: Any) -> str:
+    """Where a ``KVCacheBlock`` keeps its prefix hash: the ``_block_hash`` slot (vLLM 0.32,
+    0.33; ``block_hash`` is a property over it there) or the ``block_hash`` field (0.34).
+    Read once per pool read; the per-block loops spell the name out (CPython specialises a
+    slot load only for a literal name)."""
+    if hasattr(block, BLOCK_HASH_SLOT.name):
+        return BLOCK_HASH_SLOT.name
+    return BLOCK_HASH_FIELD.name
 
 
 def model_runner_output(req_ids: list[str], **fields: Any) -> Any:

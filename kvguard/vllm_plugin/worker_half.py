@@ -13,9 +13,10 @@ is in EngineCore and gets the same worker half (also from
 :func:`maybe_install_in_process` when the scheduler is built), so both layouts take one
 path.
 
-The channel: ``KVConnectorOutput.kv_connector_worker_meta`` (vLLM 0.32 and 0.33,
-``v1/outputs.py``). The model runner calls the connector's
-``build_connector_worker_meta()`` at the end of every step, right after
+The channel: ``KVConnectorOutput.kv_connector_worker_meta`` (vLLM 0.32-0.34,
+``v1/outputs.py``). Every vLLM name this module reads or wraps is a row of
+:mod:`kvguard.vllm_plugin.versions`, read through it (``read``). The model runner calls
+the connector's ``build_connector_worker_meta()`` at the end of every step, right after
 ``get_transfer_results()`` (where NIXL reads notifications and reaps lapsed leases);
 the executor's ``KVOutputAggregator`` merges the ranks' metadata with
 ``KVConnectorWorkerMetadata.aggregate`` and the scheduler receives it in
@@ -49,6 +50,27 @@ from typing import Any, Final
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from kvguard.core.worker_reports import LateRead, LeaseLapse, RankReport
+from kvguard.vllm_plugin.versions import (
+    CONNECTOR_BUILD_WORKER_META,
+    CONNECTOR_GET_TRANSFER_RESULTS,
+    FACTORY_CREATE_CONNECTOR,
+    KV_CONNECTOR_AGENT,
+    KV_ROLE_WORKER,
+    NIXL_CONNECTOR_WORKER,
+    NIXL_EXPECTED_READS_BY_REQ,
+    NIXL_READS_BY_REQ,
+    NIXL_REAP_EXPIRED_SEND_LEASES,
+    NIXL_REQS_TO_PROCESS,
+    NIXL_REQS_TO_SEND,
+    NIXL_TP_RANK,
+    NIXL_WRAPPER,
+    PARALLEL_PP_SIZE,
+    PARALLEL_TP_SIZE,
+    TRANSFER_RESULTS_FINISHED_RECVING,
+    TRANSFER_RESULTS_FINISHED_SENDING,
+    VLLM_PARALLEL_CONFIG,
+    read,
+)
 
 log = logging.getLogger("kvguard")
 
@@ -115,28 +137,30 @@ class WorkerHalf:
     def wrap(self) -> None:
         """Wrap the connector's and its worker's methods (instance attributes only)."""
         worker, conn = self._worker, self._connector
-        worker._reap_expired_send_leases = self._wrapped_reap(worker._reap_expired_send_leases)
-        nixl: Any = getattr(worker, "nixl_wrapper", None)
-        notifs = getattr(nixl, "get_new_notifs", None)
+        reap = NIXL_REAP_EXPIRED_SEND_LEASES.name
+        setattr(worker, reap, self._wrapped_reap(getattr(worker, reap)))
+        nixl: Any = read(worker, NIXL_WRAPPER)
+        notifs = getattr(nixl, "get_new_notifs", None)  # NIXL's agent (not vLLM's)
         if callable(notifs):
             try:
                 nixl.get_new_notifs = self._wrapped_notifs(notifs)
             except Exception:  # an object without a __dict__: no late reads from this rank
                 self.errors_total += 1
-        conn.get_transfer_results = self._wrapped_results(conn.get_transfer_results)
-        conn.build_connector_worker_meta = self._wrapped_meta(conn.build_connector_worker_meta)
+        for point, wrap in ((CONNECTOR_GET_TRANSFER_RESULTS, self._wrapped_results),
+                            (CONNECTOR_BUILD_WORKER_META, self._wrapped_meta)):
+            setattr(conn, point.name, wrap(getattr(conn, point.name)))
 
     def _wrapped_reap(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         worker = self._worker
 
         @functools.wraps(orig)
         def _reap_expired_send_leases(done_sending: Any, *args: Any, **kwargs: Any) -> Any:
-            if not getattr(worker, "_reqs_to_send", None):
+            if not read(worker, NIXL_REQS_TO_SEND):
                 return orig(done_sending, *args, **kwargs)  # no lease: nothing can lapse
             try:
-                reads = dict(worker.consumer_notification_counts_by_req)
-                expected = dict(worker.expected_consumer_notifications_by_req)
-                held = set(worker._reqs_to_send)
+                reads = dict(read(worker, NIXL_READS_BY_REQ))
+                expected = dict(read(worker, NIXL_EXPECTED_READS_BY_REQ))
+                held = set(read(worker, NIXL_REQS_TO_SEND))
             except Exception:
                 self.errors_total += 1
                 held = set()
@@ -144,7 +168,7 @@ class WorkerHalf:
             try:
                 if held:
                     now = time.time()
-                    for rid in held - set(worker._reqs_to_send):
+                    for rid in held - set(read(worker, NIXL_REQS_TO_SEND)):
                         self.lapses_total += 1
                         if self._room():
                             self._lapses.append(LeaseLapse(
@@ -170,21 +194,23 @@ class WorkerHalf:
                 # for it (a decode that read, then aborted) is already "unrecognized".
                 released: set[str] = set()
                 counts: dict[str, int] = {}
+                to_send = read(worker, NIXL_REQS_TO_SEND)
+                to_process = read(worker, NIXL_REQS_TO_PROCESS)
+                reads_by_req = read(worker, NIXL_READS_BY_REQ)
                 for notifs in out.values():
                     for n in notifs:
                         msg = n.decode("utf-8") if isinstance(n, bytes | bytearray) else str(n)
                         if msg.startswith("HB:"):
                             continue  # a lease renewal, not a read
                         rid, expected = msg.rsplit(":", 1)
-                        if rid in released or (rid not in worker._reqs_to_send
-                                               and rid not in worker._reqs_to_process):
+                        if rid in released or (rid not in to_send and rid not in to_process):
                             self.late_reads_total += 1
                             if self._room():
                                 self._late.append(LateRead(rid, time.time()))
                             continue
                         seen = counts.get(rid)
                         if seen is None:
-                            seen = int(worker.consumer_notification_counts_by_req.get(rid, 0))
+                            seen = int(reads_by_req.get(rid, 0))
                         counts[rid] = seen + 1
                         if counts[rid] == int(expected):
                             released.add(rid)
@@ -198,8 +224,9 @@ class WorkerHalf:
         def get_transfer_results(*args: Any, **kwargs: Any) -> Any:
             results = orig(*args, **kwargs)
             try:
-                for src, dst in ((getattr(results, "finished_sending", None), self._sending),
-                                 (getattr(results, "finished_recving", None), self._recving)):
+                for src, dst in ((read(results, TRANSFER_RESULTS_FINISHED_SENDING), self._sending),
+                                 (read(results, TRANSFER_RESULTS_FINISHED_RECVING),
+                                  self._recving)):
                     for rid in src or ():
                         if self._room():
                             dst.append(str(rid))
@@ -224,7 +251,7 @@ class WorkerHalf:
 
     # ------------------------------------------------------------------ reports
     def _lease_changes(self) -> dict[str, float]:
-        leases = getattr(self._worker, "_reqs_to_send", None)
+        leases = read(self._worker, NIXL_REQS_TO_SEND)
         if not isinstance(leases, dict) or (not leases and not self._reported):
             return {}
         now_unix, now_perf = time.time(), time.perf_counter()
@@ -257,10 +284,10 @@ class WorkerHalf:
 def _rank_of(worker: Any, vllm_config: Any) -> tuple[int, int]:
     """(rank, world size) of this worker in its engine: pipeline rank x tensor size +
     tensor rank, over tensor x pipeline parallel size."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    tp = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
-    tp_rank = int(getattr(worker, "tp_rank", 0) or 0)
+    pc = read(vllm_config, VLLM_PARALLEL_CONFIG)
+    tp = int(read(pc, PARALLEL_TP_SIZE, 1) or 1)
+    pp = int(read(pc, PARALLEL_PP_SIZE, 1) or 1)
+    tp_rank = int(read(worker, NIXL_TP_RANK, 0) or 0)
     pp_rank = 0
     if pp > 1:
         try:
@@ -284,9 +311,11 @@ def attach_worker_half(connector: Any, vllm_config: Any) -> WorkerHalf | None:
         existing = worker_half_of(connector)
         if existing is not None:
             return existing
-        worker = getattr(connector, "connector_worker", None)
-        if worker is None or not isinstance(getattr(worker, "_reqs_to_send", None), dict) \
-                or not callable(getattr(worker, "_reap_expired_send_leases", None)):
+        worker = read(connector, NIXL_CONNECTOR_WORKER)
+        if worker is None or not isinstance(read(worker, NIXL_REQS_TO_SEND), dict) \
+                or not callable(read(worker, NIXL_REAP_EXPIRED_SEND_LEASES)) \
+                or not all(callable(read(connector, p)) for p in (
+                    CONNECTOR_GET_TRANSFER_RESULTS, CONNECTOR_BUILD_WORKER_META)):
             return None
         half = WorkerHalf(connector, worker, vllm_config)
         half.wrap()
@@ -305,7 +334,7 @@ def install_worker_half() -> None:
     connector built in this process afterwards gets a worker half."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    original = KVConnectorFactory.__dict__["create_connector"]
+    original = KVConnectorFactory.__dict__[FACTORY_CREATE_CONNECTOR.name]
     if getattr(original, _FACTORY_MARK, False):
         return
     func = original.__func__
@@ -314,13 +343,12 @@ def install_worker_half() -> None:
     def create_connector(cls: type[Any], config: Any, role: Any, *args: Any,
                          **kwargs: Any) -> Any:
         connector = func(cls, config, role, *args, **kwargs)
-        if getattr(role, "name", None) == "WORKER":
+        if getattr(role, "name", None) == KV_ROLE_WORKER.name:
             attach_worker_half(connector, config)
         return connector
 
     setattr(create_connector, _FACTORY_MARK, True)
-    KVConnectorFactory.create_connector = classmethod(  # type: ignore[assignment]
-        create_connector)
+    setattr(KVConnectorFactory, FACTORY_CREATE_CONNECTOR.name, classmethod(create_connector))
 
 
 def maybe_install_in_process(vllm_config: Any) -> WorkerHalf | None:
@@ -330,5 +358,5 @@ def maybe_install_in_process(vllm_config: Any) -> WorkerHalf | None:
         from vllm.distributed.kv_transfer import kv_transfer_state
     except Exception:
         return None
-    agent = getattr(kv_transfer_state, "_KV_CONNECTOR_AGENT", None)
+    agent = read(kv_transfer_state, KV_CONNECTOR_AGENT)
     return None if agent is None else attach_worker_half(agent, vllm_config)

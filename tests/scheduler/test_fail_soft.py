@@ -10,13 +10,20 @@ relies on:
 * the engine is unharmed: the same workload gives the same schedule, the same finishes and
   the same pool at the end as with every hook on (vLLM's own outputs and pool are the truth);
 * kvguard says so once: one warning naming the missing method and the feature that is off,
-  and the published state's ``hooks_missing`` carries the same line.
+  and the published state's ``hooks_missing`` carries the same line;
+* what is off is off, and what kvguard no longer sees raises no false alarm: without one
+  pool hook none is installed (a release never seen would read as a double free: it did,
+  for every block, before), and the session makes up from vLLM's own tables for a missing
+  admission, finish or free (:mod:`kvguard.core.fail_soft`); the drained audit of a clean
+  run is no leak and leaves no record behind;
+* the features that do not need the missing hook still work: every fault class of
+  ``test_faults`` is caught with exactly the blocks vLLM's pool still references.
 
 Why the scheduler level, and not one engine per removal: the hooks sit on the scheduler and
 its block pool, which are the same objects here as in EngineCore (built the same way, the
 plugin attached through its entry point), and a real engine start costs seconds where this
-costs milliseconds: twelve removals, three releases, well inside CI's budget. The model
-runner adds nothing a removed hook could harm.
+costs milliseconds: twelve removals (each with five faults), three releases, well inside
+CI's budget. The model runner adds nothing a removed hook could harm.
 """
 
 from __future__ import annotations
@@ -26,10 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _sched import Sched, prompt
+from _sched import Sched, leaked_ids, prompt
+from test_faults import FAULTS
 
+from kvguard.chaos.faults import FaultPlan
+from kvguard.chaos.faults.scheduler import ChaosScheduler
+from kvguard.core.types import LeakCause, LeakPath, Verdict
 from kvguard.vllm_plugin import hooks
-from kvguard.vllm_plugin.versions import feature_of, missing_message
+from kvguard.vllm_plugin.versions import Feature, feature_of, missing_message
 
 REMOVABLE = [("BlockPool", m) for m in hooks.POOL_HOOKS] + \
             [("Scheduler", m) for m in hooks.SCHEDULER_HOOKS]
@@ -62,6 +73,21 @@ def _build(sched: Callable[..., Sched]) -> Sched:
     return sched(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=128)  # 3 preemptions
 
 
+def _install_without(monkeypatch: pytest.MonkeyPatch, owner: str, method: str) -> None:
+    """kvguard attaches from here on as if vLLM had no ``owner.method``."""
+    install = hooks.install_hooks  # the plugin looks it up at each attach
+
+    def install_without(g: Any) -> None:
+        obj = g.block_pool if owner == "BlockPool" else g.scheduler
+        setattr(obj, method, None)  # shadows vLLM's method: kvguard finds no hook point
+        try:
+            install(g)
+        finally:
+            delattr(obj, method)  # vLLM's own method again, unhooked
+
+    monkeypatch.setattr(hooks, "install_hooks", install_without)
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     """Filled by the first test: the run with every hook on."""
@@ -77,17 +103,7 @@ def test_a_missing_hook_point_turns_off_its_feature_and_leaves_vllm_unharmed(
         reference.update(_run(_build(sched)))
         assert reference["preemptions"] > 0 and "FINISHED_ABORTED" in \
             reference["status"].values()  # the workload reaches the exceptional paths
-    install = hooks.install_hooks  # the plugin looks it up at each attach
-
-    def install_without(g: Any) -> None:
-        obj = g.block_pool if owner == "BlockPool" else g.scheduler
-        setattr(obj, method, None)  # shadows vLLM's method: kvguard finds no hook point
-        try:
-            install(g)
-        finally:
-            delattr(obj, method)  # vLLM's own method again, unhooked
-
-    monkeypatch.setattr(hooks, "install_hooks", install_without)
+    _install_without(monkeypatch, owner, method)
     with caplog.at_level(logging.WARNING, logger="kvguard"):
         s = _build(sched)
     label = f"{owner}.{method}"
@@ -104,3 +120,55 @@ def test_a_missing_hook_point_turns_off_its_feature_and_leaves_vllm_unharmed(
     assert _run(s) == reference
     # ... and the state kvguard publishes names it too.
     assert s.guard.state().hooks_missing == [message]
+    # What is off is off: no pool hook at all without one of them (a release never seen
+    # reads as a double free), and the session knows which events it does not get.
+    hooked = set(s.guard.hooks_installed)
+    assert not any(h.startswith("BlockPool.") for h in hooked) \
+        if owner == "BlockPool" else {f"BlockPool.{m}" for m in hooks.POOL_HOOKS} <= hooked
+    seen = s.guard.events_seen
+    assert (seen.pool_events, seen.admissions, seen.finishes, seen.frees) == (
+        owner != "BlockPool", method != "add_request", method != "_free_request",
+        method != "_free_blocks")
+    # No false alarm from what kvguard no longer sees, and no records left behind.
+    report = s.drained_checkpoint()
+    assert report.verdict is not Verdict.LEAK, report.explanation
+    assert s.guard.ledger.num_records == 0
+
+
+# What each missing hook point's feature leaves less precise in a finding (cause, path):
+# never whether a leak is found, nor which blocks.
+_VAGUER: dict[Feature, tuple[set[LeakCause], set[LeakPath]]] = {
+    Feature.POOL_EVENTS: ({LeakCause.ORPHAN}, {LeakPath.UNKNOWN}),
+    Feature.FINISH: (set(), {LeakPath.UNKNOWN}),
+    Feature.PREEMPTION: (set(), {LeakPath.FINISH}),
+}
+
+
+@pytest.mark.parametrize(("owner", "method"), REMOVABLE)
+def test_with_a_hook_point_missing_every_fault_is_still_caught_with_vllms_own_blocks(
+        sched: Callable[..., Sched], monkeypatch: pytest.MonkeyPatch, owner: str,
+        method: str) -> None:
+    """The features that do not need the missing hook still work: each fault class that
+    runs without a model (``test_faults``) is caught, with exactly the blocks vLLM's own
+    pool still references, and the cause and path it gets with every hook on unless the
+    feature that tells them is the one off (``_VAGUER``)."""
+    _install_without(monkeypatch, owner, method)
+    feature = feature_of(f"{owner}.{method}")
+    assert feature is not None
+    vaguer_causes, vaguer_paths = _VAGUER.get(feature, (set(), set()))
+    for fault, (drive, build, cause, path) in FAULTS.items():
+        s = sched(**{"num_blocks": 64, **build}, max_num_seqs=4, scheduler_cls=ChaosScheduler,
+                  env={"KVGUARD_ONLINE_AUDIT": "0"})
+        s.scheduler.arm(FaultPlan({fault: 1}))
+        drive(s)
+        assert s.scheduler.faults.times_fired(fault) == 1, fault
+        truth = s.pool_truth()
+        report = s.drained_checkpoint()
+        assert report.verdict is Verdict.LEAK, (fault, report.explanation)
+        assert leaked_ids(report) == truth.wrong_blocks, fault
+        causes = {lk.cause for lk in report.leaks}
+        assert causes == {cause} or (causes <= vaguer_causes and cause is not
+                                     LeakCause.DOUBLE_FREE), (fault, causes)
+        if path is not None:
+            paths = {lk.path for lk in report.leaks}
+            assert paths == {path} or paths <= vaguer_paths, (fault, paths)

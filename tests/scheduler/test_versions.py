@@ -55,8 +55,18 @@ def _changed(tp: TouchPoint, s: Sched) -> bool:
 
 def _defined_in_source(tp: TouchPoint) -> bool:
     """Whether vLLM's own source of ``tp.source`` has class ``tp.owner`` define ``tp.name``
-    (a method, a class-level field, or ``self.<name> = ...`` in one of its methods)."""
+    (a method, a class-level field or enum member, or ``self.<name> = ...`` in one of its
+    methods), or, for a ``module ...`` kind, has the module define it at top level."""
     tree = ast.parse((Path(vllm.__file__).parent / tp.source).read_text())
+    if tp.kind.startswith("module "):  # a module's own class or global, ``owner`` the module
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and node.name == tp.name:
+                return True
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == tp.name for t in targets):
+                return True
+        return False
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         if cls.name != tp.owner:
             continue
@@ -130,3 +140,24 @@ def test_kv_cache_manager_free_reads_only_the_request_id() -> None:
               and not any(isinstance(a, ast.Attribute) and a.value is n
                           for a in ast.walk(func))]
     assert (reads, passed) == ({"request_id"}, []), (reads, len(passed))
+
+
+def test_block_hash_attr_is_where_this_vllms_blocks_keep_their_hash(
+        sched: Callable[..., Sched]) -> None:
+    """The row present in this release names the slot, and vLLM's own cached blocks carry
+    their hash there (the name ``BlockPool.cached_block_hash_to_block`` is keyed by)."""
+    from _sched import prompt
+
+    from kvguard.vllm_plugin.versions import BLOCK_HASH_FIELD, BLOCK_HASH_SLOT, block_hash_attr
+
+    release = release_of(vllm.__version__)
+    assert release is not None
+    s = sched()
+    attr = block_hash_attr(s.pool.blocks[1])
+    present = [tp.name for tp in (BLOCK_HASH_SLOT, BLOCK_HASH_FIELD)
+               if tp.in_release(release) is Presence.PRESENT]
+    assert [attr] == present
+    s.add(prompt(3, 64), 4)
+    s.run_to_completion()
+    cached = [b for b in s.pool.blocks if getattr(b, attr) is not None]
+    assert len(cached) == len(s.pool.cached_block_hash_to_block) > 0

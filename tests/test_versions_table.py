@@ -35,15 +35,17 @@ def test_every_method_kvguard_hooks_is_a_row_with_a_feature() -> None:
 
 
 READ_IN_PLACE = ("kv_transfers", "offload_reader", "worker_half", "idle", "adapter",
-                 "waiting_reader", "connector_bounds", "finish", "trace_setup")
-"""The plugin modules that read vLLM's scheduler, connector and engine objects in place
-(not yet: ``pool_reader``'s and ``kv_event_tap``'s per-block and publisher reads)."""
+                 "waiting_reader", "connector_bounds", "finish", "trace_setup",
+                 "pool_reader", "kv_event_tap")
+"""The plugin modules that read vLLM's scheduler, pool, connector and engine objects in
+place."""
 NOT_VLLMS = {
     "reports": "kvguard's own worker metadata (KvguardWorkerMeta.reports)",
     "get_new_notifs": "NIXL's agent, not vLLM",
     "name": "Enum.name (of vLLM's KVConnectorRole, compared with the KV_ROLE_WORKER row)",
     "_kvguard_worker_half": "kvguard's mark on a connector",
     "faults_enabled": "kvguard's fault-injecting scheduler (kvguard.chaos), not vLLM",
+    "_kvguard": "kvguard's guard, set on the scheduler by attach",
 }
 
 

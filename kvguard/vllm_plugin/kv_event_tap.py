@@ -33,6 +33,14 @@ from typing import Any
 
 from kvguard.kv_events.digest import SetDigest, block_key
 from kvguard.kv_events.snapshot import KvEventsSnapshot, KvEventsState
+from kvguard.vllm_plugin.versions import (
+    BLOCK_POOL_ENABLE_KV_CACHE_EVENTS,
+    BLOCK_POOL_KV_EVENT_QUEUE,
+    BLOCK_POOL_MEDIUM,
+    HASH_MAP_CACHE,
+    SCHEDULER_KV_EVENT_PUBLISHER,
+    read,
+)
 
 log = logging.getLogger("kvguard")
 
@@ -45,13 +53,13 @@ class KvEventTap:
         from vllm.distributed.kv_events import AllBlocksCleared
 
         self._scheduler = scheduler
-        publisher = scheduler.kv_event_publisher
+        publisher = read(scheduler, SCHEDULER_KV_EVENT_PUBLISHER)
         config = publisher.get_publisher_config()
         self.endpoint: str = str(config.endpoint)
         self.replay_endpoint: str | None = config.replay_endpoint
         self.topic: str = config.topic or ""
         self.block_pool = scheduler.kv_cache_manager.block_pool
-        self.medium: str | None = getattr(self.block_pool, "medium", None)
+        self.medium: str | None = read(self.block_pool, BLOCK_POOL_MEDIUM)
         self.max_keys = max_keys
         self.batches_published = 0
         """Batches handed to the publisher (the last one's sequence number is this - 1)."""
@@ -87,7 +95,7 @@ class KvEventTap:
 
         def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
             done = orig(*args, **kwargs)
-            if done and getattr(pool, "enable_kv_cache_events", False):
+            if done and read(pool, BLOCK_POOL_ENABLE_KV_CACHE_EVENTS, False):
                 self._clear_queued = True
                 self.clears_total += 1
                 self._checkpoint_soon()
@@ -112,7 +120,7 @@ class KvEventTap:
     def snapshot(self, checkpoint_id: int, taken_at: float) -> KvEventsSnapshot:
         """The pool's hashed blocks now, at batch ``batches_published - 1``. Engine thread."""
         cache = self.block_pool.cached_block_hash_to_block
-        raw = getattr(cache, "_cache", cache)
+        raw = read(cache, HASH_MAP_CACHE, cache)
         keys = self._keys(list(raw))
         digest = SetDigest(keys)
         if len(keys) <= self.max_keys:
@@ -120,7 +128,7 @@ class KvEventTap:
         return KvEventsSnapshot(
             checkpoint_id=checkpoint_id, taken_at=taken_at,
             last_seq=self.batches_published - 1, clear_seq=self.clear_seq,
-            pending_events=len(getattr(self.block_pool, "kv_event_queue", ()) or ()),
+            pending_events=len(read(self.block_pool, BLOCK_POOL_KV_EVENT_QUEUE, ()) or ()),
             num_blocks=digest.count, digest=digest.hex,
             block_keys=keys if len(keys) <= self.max_keys else None)
 
@@ -146,7 +154,7 @@ class KvEventTap:
 def maybe_tap_kv_events(scheduler: Any, *, max_keys: int) -> KvEventTap | None:
     """A tap on ``scheduler``'s KV-event stream, or None when it publishes no KV events.
     Never raises: a vLLM without the expected attributes logs one line and gets no tap."""
-    publisher = getattr(scheduler, "kv_event_publisher", None)
+    publisher = read(scheduler, SCHEDULER_KV_EVENT_PUBLISHER)
     if publisher is None or type(publisher).__name__ == "NullEventPublisher":
         return None
     try:

@@ -15,8 +15,15 @@ from kvguard.core.snapshot import PoolSlice, PoolSnapshot
 from kvguard.vllm_plugin.versions import (
     BLOCK_HASH_FIELD,
     BLOCK_HASH_SLOT,
+    BLOCK_IS_NULL,
+    BLOCK_OWNER_POOL,
+    BLOCK_POOL_NULL_BLOCK,
+    BLOCK_PREV_FREE,
+    COORDINATOR_SINGLE_TYPE_MANAGERS,
+    KVM_COORDINATOR,
     block_hash_attr,
     pool_tag,
+    read,
 )
 
 
@@ -39,13 +46,13 @@ def read_pool(block_pool: Any, *, walk_free_queue: bool = False) -> PoolSnapshot
     blocks = block_pool.blocks
     refs = [b.ref_cnt for b in blocks]
     n = len(blocks)
-    null = getattr(block_pool, "null_block", None)
+    null = read(block_pool, BLOCK_POOL_NULL_BLOCK)
     nulls = frozenset({null.block_id}) if null is not None else frozenset()
     num_free = int(block_pool.get_num_free_blocks())
     zero_refs = refs.count(0)
     n_zero = zero_refs - sum(1 for b in nulls if b < n and refs[b] == 0)
-    if (walk_free_queue or n_zero != num_free) and blocks and hasattr(blocks[0],
-                                                                      "prev_free_block"):
+    if (walk_free_queue or n_zero != num_free) and blocks \
+            and hasattr(blocks[0], BLOCK_PREV_FREE.name):
         in_queue = bytearray([b.prev_free_block is not None for b in blocks])
         return PoolSnapshot(ref_counts=refs, cached=_read_hashes(blocks),
                             num_free_reported=num_free, null_block_ids=nulls,
@@ -134,9 +141,9 @@ def counts_in(block: Any, pool: Any) -> bool:
     (older vLLM) means the engine's one pool. ``pool``: the pool, or its
     :func:`~kvguard.vllm_plugin.versions.pool_tag` (what its blocks hold: the pool itself
     before vLLM 0.34, a weak reference to it from 0.34)."""
-    if getattr(block, "is_null", False):
+    if read(block, BLOCK_IS_NULL, False):
         return False
-    owner = getattr(block, "pool", None)
+    owner = read(block, BLOCK_OWNER_POOL)
     return owner is None or owner is pool_tag(pool)
 
 
@@ -169,8 +176,8 @@ def all_request_tables(kv_cache_manager: Any) -> dict[str, list[int]]:
 
 
 def _single_type_managers(kv_cache_manager: Any) -> list[Any]:
-    coord = getattr(kv_cache_manager, "coordinator", None)
-    return list(getattr(coord, "single_type_managers", ()) or ())
+    coord = read(kv_cache_manager, KVM_COORDINATOR)
+    return list(read(coord, COORDINATOR_SINGLE_TYPE_MANAGERS, ()) or ())
 
 
 class VllmPoolAccess:
@@ -185,9 +192,9 @@ class VllmPoolAccess:
         self._pool = kv_cache_manager.block_pool
         self._tag = pool_tag(self._pool)
         self._blocks: list[Any] = self._pool.blocks
-        null = getattr(self._pool, "null_block", None)
+        null = read(self._pool, BLOCK_POOL_NULL_BLOCK)
         self._nulls = frozenset({null.block_id}) if null is not None else frozenset()
-        self._has_queue = bool(self._blocks) and hasattr(self._blocks[0], "prev_free_block")
+        self._has_queue = bool(self._blocks) and hasattr(self._blocks[0], BLOCK_PREV_FREE.name)
         self._tables: list[Any] = [m.req_to_blocks for m in
                                    _single_type_managers(kv_cache_manager)]
         """Each KV group's ``req_to_blocks`` (vLLM builds them once, with the coordinator):

@@ -278,6 +278,29 @@ LLM_ENGINE_CORE: Final = _field("LLMEngine", "engine_core", Feature.IDLE,
 INPROC_ENGINE_CORE: Final = _field("InprocClient", "engine_core", Feature.IDLE,
                                    "v1/engine/core_client.py")
 
+# --- read in place by ``pool_reader`` (every block, at each audit: plain attribute reads
+# where a name is the same in every release) and ``kv_event_tap``.
+BLOCK_OWNER_POOL: Final = TouchPoint(
+    "KVCacheBlock", "pool", "dataclass field", (_P, _P, _C), Feature.POOL_OWNERSHIP,
+    "0.34 holds a weak reference to the pool (`BlockPool._weak_self`), so comparing with "
+    "the pool matched no block: `pool_tag`")
+BLOCK_PREV_FREE, BLOCK_IS_NULL = (
+    TouchPoint("KVCacheBlock", name, "dataclass field", _ALL, Feature.AUDIT)
+    for name in ("prev_free_block", "is_null"))
+KVM_COORDINATOR: Final = _field("KVCacheManager", "coordinator", Feature.AUDIT,
+                                "v1/core/kv_cache_manager.py")
+COORDINATOR_SINGLE_TYPE_MANAGERS: Final = _field(
+    "KVCacheCoordinator", "single_type_managers", Feature.AUDIT,
+    "v1/core/kv_cache_coordinator.py")
+BLOCK_POOL_MEDIUM, BLOCK_POOL_ENABLE_KV_CACHE_EVENTS, BLOCK_POOL_KV_EVENT_QUEUE = (
+    TouchPoint("BlockPool", name, "field", _ALL, Feature.KV_EVENTS_MIRROR)
+    for name in ("medium", "enable_kv_cache_events", "kv_event_queue"))
+HASH_MAP_CACHE: Final = _field("BlockHashToBlockMap", "_cache", Feature.KV_EVENTS_MIRROR,
+                               "v1/core/block_pool.py",
+                               note="the dict under `cached_block_hash_to_block`")
+SCHEDULER_KV_EVENT_PUBLISHER: Final = TouchPoint("Scheduler", "kv_event_publisher", "field",
+                                                 _ALL, Feature.KV_EVENTS_MIRROR)
+
 TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("BlockPool", "get_new_blocks", "method", _ALL, Feature.POOL_EVENTS),
     TouchPoint("BlockPool", "touch", "method", _ALL, Feature.POOL_EVENTS),
@@ -300,11 +323,10 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("KVCacheManager", "free", "called method", _ALL, Feature.RECLAIM,
                "called by reclaim, never wrapped; reads only the request's `request_id` "
                "(`released_request`)"),
-    TouchPoint("KVCacheBlock", "pool", "dataclass field", (_P, _P, _C),
-               Feature.POOL_OWNERSHIP,
-               "0.34 holds a weak reference to the pool (`BlockPool._weak_self`), so "
-               "comparing with the pool matched no block: `pool_tag`"),
-    BLOCK_HASH_SLOT, BLOCK_HASH_FIELD,
+    BLOCK_OWNER_POOL, BLOCK_HASH_SLOT, BLOCK_HASH_FIELD, BLOCK_PREV_FREE, BLOCK_IS_NULL,
+    KVM_COORDINATOR, COORDINATOR_SINGLE_TYPE_MANAGERS, BLOCK_POOL_MEDIUM,
+    BLOCK_POOL_ENABLE_KV_CACHE_EVENTS, BLOCK_POOL_KV_EVENT_QUEUE, HASH_MAP_CACHE,
+    SCHEDULER_KV_EVENT_PUBLISHER,
     SCHEDULER_REQUESTS, SCHEDULER_RUNNING, SCHEDULER_WAITING, SCHEDULER_KV_HOLDING_WAITING,
     SCHEDULER_BLOCK_SIZE, SCHEDULER_MAX_NUM_SCHEDULED_TOKENS, SCHEDULER_CACHE_CONFIG,
     SCHEDULER_SCHEDULER_CONFIG, SCHEDULER_KV_CACHE_MANAGER, BLOCK_POOL_BLOCKS,

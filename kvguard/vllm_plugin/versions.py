@@ -300,6 +300,25 @@ HASH_MAP_CACHE: Final = _field("BlockHashToBlockMap", "_cache", Feature.KV_EVENT
                                note="the dict under `cached_block_hash_to_block`")
 SCHEDULER_KV_EVENT_PUBLISHER: Final = TouchPoint("Scheduler", "kv_event_publisher", "field",
                                                  _ALL, Feature.KV_EVENTS_MIRROR)
+# Read as plain attributes where they are hot (every block, at each audit) or wrapped in
+# place on one instance; rows so that the table names them and each release is checked.
+BLOCK_REF_CNT, BLOCK_ID = (
+    TouchPoint("KVCacheBlock", name, "dataclass field", _ALL, Feature.AUDIT,
+               "read as a plain attribute: every block, at each audit")
+    for name in ("ref_cnt", "block_id"))
+MANAGER_REQ_TO_BLOCKS: Final = _field(
+    "SingleTypeKVCacheManager", "req_to_blocks", Feature.AUDIT,
+    "v1/core/single_type_kv_cache_manager.py", note="read with `.get`, never indexed")
+BLOCK_POOL_GET_NUM_FREE: Final = _field("BlockPool", "get_num_free_blocks", Feature.AUDIT,
+                                        "v1/core/block_pool.py", "called method")
+BLOCK_POOL_RESET_PREFIX_CACHE: Final = _field(
+    "BlockPool", "reset_prefix_cache", Feature.KV_EVENTS_MIRROR, "v1/core/block_pool.py",
+    "method", "wrapped on the engine's pool instance by the KV-event tap")
+PUBLISHER_PUBLISH, PUBLISHER_CONFIG = (
+    _field("ZmqEventPublisher", name, Feature.KV_EVENTS_MIRROR, "distributed/kv_events.py",
+           "method", note)
+    for name, note in (("publish", "wrapped on the scheduler's publisher instance"),
+                       ("get_publisher_config", "called once, at attach")))
 
 TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     TouchPoint("BlockPool", "get_new_blocks", "method", _ALL, Feature.POOL_EVENTS),
@@ -327,6 +346,8 @@ TOUCH_POINTS: Final[tuple[TouchPoint, ...]] = (
     KVM_COORDINATOR, COORDINATOR_SINGLE_TYPE_MANAGERS, BLOCK_POOL_MEDIUM,
     BLOCK_POOL_ENABLE_KV_CACHE_EVENTS, BLOCK_POOL_KV_EVENT_QUEUE, HASH_MAP_CACHE,
     SCHEDULER_KV_EVENT_PUBLISHER,
+    BLOCK_REF_CNT, BLOCK_ID, MANAGER_REQ_TO_BLOCKS, BLOCK_POOL_GET_NUM_FREE,
+    BLOCK_POOL_RESET_PREFIX_CACHE, PUBLISHER_PUBLISH, PUBLISHER_CONFIG,
     SCHEDULER_REQUESTS, SCHEDULER_RUNNING, SCHEDULER_WAITING, SCHEDULER_KV_HOLDING_WAITING,
     SCHEDULER_BLOCK_SIZE, SCHEDULER_MAX_NUM_SCHEDULED_TOKENS, SCHEDULER_CACHE_CONFIG,
     SCHEDULER_SCHEDULER_CONFIG, SCHEDULER_KV_CACHE_MANAGER, BLOCK_POOL_BLOCKS,

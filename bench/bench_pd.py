@@ -14,6 +14,9 @@ blocks", "Potentially invalid KV blocks"). Per request it times the decode half 
 decode server's time to first token for a one-token prefill handoff: the read of the KV
 plus the first decode step). The verdict: the median on/off ratio of the workload wall
 within 1.05, and no lapse with kvguard unless the same pair index lapsed without it.
+Both sides start their servers through the tests' ``pd_pair``: since 2026-12-07 (evening)
+every engine process runs at nice 19 and the API servers at 0, on both sides alike
+(``kvguard/testing/engine_nice.py``: what starves a 2-CPU pair otherwise).
 
 Run: ``.venv/bin/python bench/bench_pd.py [--pairs 5]``; results in bench/results/pd.json.
 ``--variant NAME=ENV,...`` adds a kvguard-on side with extra environment (bisecting).

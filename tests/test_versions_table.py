@@ -36,7 +36,7 @@ def test_every_method_kvguard_hooks_is_a_row_with_a_feature() -> None:
 
 READ_IN_PLACE = ("kv_transfers", "offload_reader", "worker_half", "idle", "adapter",
                  "waiting_reader", "connector_bounds", "finish", "trace_setup",
-                 "pool_reader", "kv_event_tap")
+                 "pool_reader", "kv_event_tap", "hooks")
 """The plugin modules that read vLLM's scheduler, pool, connector and engine objects in
 place."""
 NOT_VLLMS = {

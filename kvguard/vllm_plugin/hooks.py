@@ -47,6 +47,10 @@ from kvguard.vllm_plugin.finish import finish_reason_of
 from kvguard.vllm_plugin.guard import EngineGuard, InstalledHook
 from kvguard.vllm_plugin.pool_reader import block_ids_in
 from kvguard.vllm_plugin.versions import (
+    COORDINATOR_SINGLE_TYPE_MANAGERS,
+    KVM_COORDINATOR,
+    OUTPUT_FINISHED_RECVING,
+    OUTPUT_FINISHED_SENDING,
     SCHEDULER_DEFERRED_FREES,
     missing_message,
     pool_tag,
@@ -90,7 +94,7 @@ def skips_blocks(coordinator: Any) -> bool:
     """Whether some KV cache group of ``coordinator`` frees blocks while a request runs
     (sliding window, chunked local attention, Mamba...): only then is
     ``remove_skipped_blocks`` worth hooking. Unknown shapes count as yes."""
-    managers = getattr(coordinator, "single_type_managers", None)
+    managers = read(coordinator, COORDINATOR_SINGLE_TYPE_MANAGERS)
     if coordinator is None or not managers:
         return coordinator is not None
     return any(type(m).__name__ != _NEVER_SKIPS for m in managers)
@@ -194,8 +198,9 @@ def _switch_for(hooks: list[InstalledHook]) -> Switch:
 def drop_reclaimed(output: Any, reclaimed: set[str]) -> None:
     """Take the requests reclaim freed out of a connector output's completions (each once:
     its late completion is the last vLLM would ever report for it)."""
-    for attr in ("finished_sending", "finished_recving"):
-        ids: Any = getattr(output, attr, None)
+    for row in (OUTPUT_FINISHED_SENDING, OUTPUT_FINISHED_RECVING):
+        attr = row.name
+        ids: Any = read(output, row)
         late = reclaimed.intersection(ids) if ids else ()
         if late:
             setattr(output, attr, set(ids) - set(late))
@@ -501,7 +506,7 @@ def install_hooks(g: EngineGuard) -> None:
     if transfers is not None:
         for name, make in zip(CONNECTOR_HOOKS, (make_kv_xfer_finished,), strict=True):
             _wrap(g, sched, name, make)
-    coordinator = getattr(g.kv_cache_manager, "coordinator", None)
+    coordinator = read(g.kv_cache_manager, KVM_COORDINATOR)
     if skips_blocks(coordinator):  # else it runs per request per step for nothing
         for name, make in zip(COORDINATOR_HOOKS, (make_remove_skipped,), strict=True):
             _wrap(g, coordinator, name, make)

@@ -7,15 +7,31 @@ already decoded into kvguard's own records (:class:`Stored`, :class:`Removed`,
 :class:`Cleared`): the mirror does not import vLLM, and it never holds token ids (a stored
 block keeps its parent key and its token *count* only).
 
-Semantics, as routers apply them (llm-d's indexer, Dynamo's radix tree): a set of block keys
-for one medium; ``Stored`` adds keys (a key already present stays, once), ``Removed`` drops
-them (a key not present is counted in ``unknown_removes`` and ignored), ``Cleared`` empties
-the set. Events of another medium are counted and skipped.
+Semantics: the set of block keys one medium holds, with the number of cached **copies** of
+each. vLLM announces every copy it caches and every copy it evicts: two requests that
+computed the same block (the same prompt, then the same generated tokens) each cache their
+own block under one key, vLLM's pool maps that key to both, and evicting one of them
+publishes ``BlockRemoved`` for the key while the other copy still serves hits. So
+``Stored`` adds one copy of each key, ``Removed`` takes one away and drops the key only at
+its last copy (a key not present is counted in ``unknown_removes`` and ignored), and
+``Cleared`` empties the set. A mirror that treats ``Stored`` as idempotent and ``Removed`` as
+final (a plain set) loses a key the pool still holds whenever a duplicate copy is evicted:
+measured on a real data-parallel server here, where it was judged ``missing``
+(``keys_with_copies`` counts the keys held more than once now). Events of another medium
+are counted and skipped.
 
-Invariants: ``digest`` always equals ``digest_hex(blocks)``; ``last_seq`` is the highest
-sequence number applied (-1 before any); the undo log holds, for each of the last
-``undo_batches`` batches applied, exactly what it added and removed, so that the mirror as it
-was after any batch still in the log can be rebuilt (``view_at``).
+One stream this cannot mirror exactly: a request sent with vLLM's per-request
+``kv_cache_report_mode="full"`` (``SamplingParams.extra_args``) makes vLLM re-announce its
+prefix-cache hits as ``BlockStored`` without caching another copy; such keys are counted
+once more than the pool holds, and can outlive their last eviction (judged ``stale``). The
+default (``incremental``) announces only what is cached.
+
+Invariants: ``digest`` always equals ``digest_hex(blocks)``; every block's ``copies`` is at
+least 1; ``last_seq`` is the highest sequence number applied (-1 before any); the undo log
+holds, for each of the last ``undo_batches`` batches applied, whether each key whose
+presence it changed was present before it, so that the key set after any batch still in the
+log can be rebuilt (``view_at``). A change in the number of copies of a key that stays
+present changes no view, and is not logged.
 """
 
 from __future__ import annotations
@@ -51,18 +67,25 @@ Event = Stored | Removed | Cleared
 
 @dataclass(slots=True)
 class MirrorBlock:
-    """One block the mirror holds: its parent's key, tokens in it, and when it arrived."""
+    """One block key the mirror holds: its parent's key, tokens in it, when it arrived, and
+    how many cached copies of it the events announced (>= 1)."""
 
     parent: str | None
     num_tokens: int
     stored_seq: int
+    copies: int = 1
 
 
 @dataclass(slots=True)
 class _Delta:
+    """What one batch changed in the key set: for each key whose presence it changed, whether
+    the key was present before the batch (recorded at its first change in the batch)."""
+
     seq: int
-    added: list[str] = field(default_factory=list)
-    removed: dict[str, MirrorBlock] = field(default_factory=dict)
+    present_before: dict[str, bool] = field(default_factory=dict)
+
+    def changed(self, key: str, was_present: bool) -> None:
+        self.present_before.setdefault(key, was_present)
 
 
 class MirrorView(NamedTuple):
@@ -111,8 +134,8 @@ class Mirror:
         delta = _Delta(seq)
         for ev in events:
             if isinstance(ev, Cleared):
-                delta.removed.update((k, b) for k, b in self.blocks.items()
-                                     if k not in delta.removed)
+                for key in self.blocks:
+                    delta.changed(key, True)
                 self.blocks.clear()
                 self.digest.clear()
                 self.clear_seq = seq
@@ -122,25 +145,36 @@ class Mirror:
             elif isinstance(ev, Stored):
                 parent = ev.parent
                 for key in ev.keys:
-                    if key not in self.blocks:
+                    held = self.blocks.get(key)
+                    if held is not None:
+                        held.copies += 1
+                    else:
                         self.blocks[key] = MirrorBlock(parent, ev.num_tokens // max(1, len(
                             ev.keys)), seq)
                         self.digest.add(key)
-                        delta.added.append(key)
+                        delta.changed(key, False)
                     parent = key
             else:
                 for key in ev.keys:
-                    block = self.blocks.pop(key, None)
+                    block = self.blocks.get(key)
                     if block is None:
                         self.unknown_removes += 1
                         continue
+                    if block.copies > 1:
+                        block.copies -= 1
+                        continue
+                    del self.blocks[key]
                     self.digest.remove(key)
-                    if key not in delta.removed:
-                        delta.removed[key] = block
+                    delta.changed(key, True)
             self.events_applied += 1
         self._undo.append(delta)
         self.last_seq = seq
         self.batches_applied += 1
+
+    @property
+    def keys_with_copies(self) -> int:
+        """Keys the events say are cached more than once now (duplicate copies)."""
+        return sum(1 for b in self.blocks.values() if b.copies > 1)
 
     def view_at(self, seq: int) -> MirrorView | None:
         """The mirror's keys right after batch ``seq``; None when the undo log does not reach
@@ -151,8 +185,11 @@ class Mirror:
         for delta in reversed(self._undo):
             if delta.seq <= seq:
                 break
-            keys.difference_update(delta.added)
-            keys.update(delta.removed)
+            for key, was_present in delta.present_before.items():
+                if was_present:
+                    keys.add(key)
+                else:
+                    keys.discard(key)
         else:
             oldest = self._undo[0].seq if self._undo else self.last_seq + 1
             if seq < max(self._base_seq, oldest - 1):

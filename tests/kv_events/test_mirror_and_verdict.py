@@ -51,6 +51,32 @@ def test_mirror_view_at_an_earlier_batch_undoes_later_batches() -> None:
     assert m.view_at(3) is None and m.view_at(7).keys == set(keys(4))  # type: ignore[union-attr]
 
 
+def test_a_key_stays_until_its_last_copy_is_removed() -> None:
+    """vLLM announces each cached copy of a key and each eviction of one
+    (tests/scheduler/test_kv_event_copies.py drives vLLM's pool into it)."""
+    m = Mirror("GPU")
+    m.apply(0, [Stored(keys(1, 2), None, 64, "GPU")])
+    m.apply(1, [Stored(keys(1), None, 32, "GPU")])  # a second block cached under key 1
+    assert m.keys_with_copies == 1
+    m.apply(2, [Removed(keys(1), "GPU")])  # one copy evicted: the other still serves hits
+    assert set(m.blocks) == set(keys(1, 2)) and m.keys_with_copies == 0
+    m.apply(3, [Removed(keys(1), "GPU")])
+    assert set(m.blocks) == set(keys(2)) and m.digest.hex == digest_hex(keys(2))
+    assert [m.view_at(q).keys for q in range(4)] == [  # type: ignore[union-attr]
+        set(keys(1, 2)), set(keys(1, 2)), set(keys(1, 2)), set(keys(2))]
+    m.apply(4, [Removed(keys(1), "GPU")])
+    assert m.unknown_removes == 1
+
+
+def test_undo_restores_a_key_stored_and_removed_within_one_batch_as_absent() -> None:
+    m = Mirror("GPU")
+    m.apply(0, [Stored(keys(1), None, 32, "GPU")])
+    m.apply(1, [Stored(keys(2), None, 32, "GPU"), Removed(keys(2, 1), "GPU"),
+                Stored(keys(1), None, 32, "GPU")])
+    assert set(m.blocks) == set(keys(1))
+    assert m.view_at(0).keys == set(keys(1))  # type: ignore[union-attr]
+
+
 def test_verdicts_name_the_first_differing_blocks() -> None:
     m = Mirror("GPU")
     m.apply(0, [Stored(keys(1, 2, 3), None, 96, "GPU")])

@@ -65,8 +65,22 @@ class _Vllm:
     null block, so nothing here depends on it. 0.33 ships CUDA kernels only
     (``VLLM_TARGET_DEVICE=cpu`` above makes its platform CPU; its model runner is not used).
     0.34 is 0.33 here, but for its CPU platform's Triton check (:meth:`platform_checks`) and
-    ``ModelRunnerOutput`` without ``req_id_to_index`` (kvguard's version layer).
+    ``ModelRunnerOutput`` without ``req_id_to_index`` (kvguard's version layer), and its
+    prefix-cache map, which keeps one block id per key and a key's further copies apart
+    (:meth:`cached_copies`).
     """
+
+    @staticmethod
+    def cached_copies(pool: Any) -> dict[Any, int]:
+        """vLLM's prefix-cache keys (``BlockHashWithGroupId``), each with the number of
+        blocks cached under it. 0.32/0.33: ``_cache`` maps a key to its block, or to a dict
+        of its blocks by id; 0.34: ``_cache`` maps a key to one block id and ``_dup_ids``
+        holds the ids of a key cached more than once."""
+        cache = pool.cached_block_hash_to_block
+        dups: dict[Any, dict[int, None]] | None = getattr(cache, "_dup_ids", None)
+        if dups is not None:
+            return {k: len(dups.get(k, ())) or 1 for k in cache._cache}
+        return {k: len(v) if isinstance(v, dict) else 1 for k, v in cache._cache.items()}
 
     @staticmethod
     @contextmanager
@@ -126,9 +140,12 @@ def model_config(model_dir: Path) -> ModelConfig:
 def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int = 16,
                     max_num_batched_tokens: int = 512, prefix_caching: bool = True,
                     scheduler_cls: type[Scheduler] = Scheduler,
-                    kv_transfer_config: dict[str, Any] | None = None) -> Scheduler:
+                    kv_transfer_config: dict[str, Any] | None = None,
+                    kv_events: bool = False) -> Scheduler:
     """A real ``scheduler_cls`` over one full-attention KV group of ``num_blocks`` blocks
-    (the null block included), built as EngineCore builds it, kvguard's plugin loaded."""
+    (the null block included), built as EngineCore builds it, kvguard's plugin loaded.
+    ``kv_events``: the pool queues KV events and the scheduler hands each step's batch to
+    vLLM's ``null`` publisher (no socket; a test wraps its ``publish`` to read them)."""
     from vllm.plugins import load_general_plugins
 
     # kvguard's entry point patches Scheduler.__init__, as in EngineCore (idempotent).
@@ -142,12 +159,17 @@ def build_scheduler(model_dir: Path, *, num_blocks: int = 256, max_num_seqs: int
         from vllm.config.kv_transfer import KVTransferConfig
 
         kv = KVTransferConfig(**kv_transfer_config)
+    events: Any = None
+    if kv_events:
+        from vllm.config.kv_events import KVEventsConfig
+
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     with _Vllm.platform_checks():
         config = VllmConfig(scheduler_config=sched_cfg,
                             model_config=model_config(model_dir),
                             cache_config=_Vllm.cache_config(BLOCK_SIZE, num_blocks,
                                                             prefix_caching),
-                            kv_transfer_config=kv)
+                            kv_transfer_config=kv, kv_events_config=events)
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer.0", "layer.1"], FullAttentionSpec(

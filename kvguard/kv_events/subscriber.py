@@ -25,8 +25,10 @@ into a :class:`~kvguard.kv_events.mirror.Mirror` in sequence order:
   sequence number goes backwards on SUB, or that reuses a number already applied with other
   content (the subscriber keeps a short hash of each of the last ``RECENT_BATCHES`` payloads),
   comes from a new publisher: the mirror is emptied and starts again, as a router should. A
-  late SUB copy of a batch already counted lost is skipped (it cannot be applied out of
-  order).
+  new publisher that numbered past the old run before SUB delivered any of its batches (a
+  slow reconnect) looks like a gap on SUB; the replay then asks for the last batch applied
+  again, and that number coming back with other content is the same restart. A late SUB
+  copy of a batch already counted lost is skipped (it cannot be applied out of order).
 * a batch already applied (delivered by a replay, then by SUB: same number, same payload) is
   skipped.
 
@@ -101,10 +103,12 @@ def connect_address(endpoint: str, host: str = "127.0.0.1") -> str:
 
 class ReplayAnswer(NamedTuple):
     """One replay request's answer: the batches it brought that the mirror lacks, by sequence
-    number, and whether vLLM's end marker arrived."""
+    number, whether vLLM's end marker arrived, and whether the batch asked for again as a
+    check (the last one applied) came back with other content: a new publisher."""
 
     batches: dict[int, bytes]
     ended: bool
+    restarted: bool = False
 
     @property
     def truncated(self) -> bool:
@@ -221,12 +225,7 @@ class KvEventSubscriber:
         # with other content, comes from a new publisher (the engine restarted).
         applied = self._recent.get(seq)  # None: never applied here (lost, or long ago)
         if seq <= self._sub_last or (applied is not None and applied != _short_hash(payload)):
-            with self.lock:
-                self.restarts_total += 1
-                self.mirror.reset(-1)
-                self.gap_open = False
-                self._wanted = -1
-            self._recent.clear()
+            self._restart()
         self._sub_last = seq
         last = self.mirror.last_seq
         if seq <= last:
@@ -241,6 +240,15 @@ class KvEventSubscriber:
             if seq > last + 1:
                 self._lose(last + 1, seq - 1)
         self._apply(seq, payload)
+
+    def _restart(self) -> None:
+        """The engine restarted (its publisher numbers from 0 again): start the mirror over."""
+        with self.lock:
+            self.restarts_total += 1
+            self.mirror.reset(-1)
+            self.gap_open = False
+            self._wanted = -1
+        self._recent.clear()
 
     def _check_tail(self, ctx: Any) -> None:
         with self.lock:
@@ -271,13 +279,24 @@ class KvEventSubscriber:
 
         Every request but the last advances ``last_seq``, so the number of requests is
         bounded by the batches still to get, never by a fixed count. Batches of an answer
-        after a hole are kept for the next one (it may bring only the hole)."""
+        after a hole are kept for the next one (it may bring only the hole).
+
+        Each request starts one batch early, at the last one applied, when its hash is still
+        kept: if the engine sends that number back with other content, a new publisher
+        (a restarted engine) has numbered past the old run before SUB saw any of its
+        batches, which the SUB path alone cannot tell; the mirror starts over (one restart)
+        and the replay goes on from batch 0."""
         if self.opts.replay_endpoint is None:
             return
         kept: dict[int, bytes] = {}
         while self.mirror.last_seq < through and not self._stop.is_set():
             start = self.mirror.last_seq + 1
-            answer = self._fetch_replay(start, ctx)
+            check = start - 1 if (start - 1) in self._recent else None
+            answer = self._fetch_replay(start, ctx, check=check)
+            if answer.restarted:  # numbered past the old run before SUB saw it: start over
+                self._restart()
+                kept = {}
+                continue
             if answer.truncated:
                 self.replays_truncated_total += 1
             if not answer.batches:
@@ -292,15 +311,17 @@ class KvEventSubscriber:
                 self._apply(seq, kept.pop(seq))
             kept = {q: b for q, b in kept.items() if q > self.mirror.last_seq}
 
-    def _fetch_replay(self, start: int, ctx: Any) -> ReplayAnswer:
-        """One replay request from ``start``: the batches the mirror lacks, and whether the
-        answer ended with vLLM's end marker (see :class:`SubscriberOptions` for the waits)."""
+    def _fetch_replay(self, start: int, ctx: Any, *, check: int | None = None) -> ReplayAnswer:
+        """One replay request from ``start`` (from ``check`` when given: the last batch
+        applied, compared with the hash kept for it): the batches the mirror lacks, whether
+        the answer ended with vLLM's end marker, and whether ``check`` came back changed
+        (see :class:`SubscriberOptions` for the waits)."""
         import zmq
 
         assert self.opts.replay_endpoint is not None
         self.replays_total += 1
         got: dict[int, bytes] = {}
-        ended = False
+        ended = restarted = False
         sock = ctx.socket(zmq.DEALER)
         try:
             # 0 (the default): take the whole answer, whatever the reader's pace. A bounded
@@ -308,7 +329,8 @@ class KvEventSubscriber:
             # then drops at its own mark, as it does for a router with a small queue.
             sock.setsockopt(zmq.RCVHWM, self.opts.receive_hwm)
             sock.connect(connect_address(self.opts.replay_endpoint))
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            first = start if check is None else check
+            sock.send_multipart([b"", first.to_bytes(8, "big")])
             timeout_ms = int(self.opts.replay_timeout_seconds * 1000)
             while sock.poll(timeout_ms):
                 timeout_ms = int(self.opts.replay_gap_seconds * 1000)
@@ -319,6 +341,11 @@ class KvEventSubscriber:
                 if len(frames) != 4:
                     continue
                 seq = int.from_bytes(frames[2], "big")
+                if check is not None and seq == check:
+                    restarted = self._recent.get(check) != _short_hash(frames[3])
+                    if restarted:
+                        break
+                    continue
                 if self.input_filter is not None and not self.input_filter(seq, True):
                     self.filtered_total += 1
                     continue
@@ -326,7 +353,7 @@ class KvEventSubscriber:
                     got[seq] = frames[3]
         finally:
             sock.close(linger=0)
-        return ReplayAnswer(got, ended)
+        return ReplayAnswer(got, ended, restarted)
 
     def _lose(self, first: int, last: int) -> None:
         with self.lock:

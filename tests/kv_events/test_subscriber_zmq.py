@@ -132,6 +132,39 @@ def test_a_restarted_publisher_on_the_same_endpoint_starts_the_mirror_over(
         pub.shutdown()
 
 
+def test_a_restarted_publisher_numbered_past_the_old_run_is_told_by_its_replay(
+        endpoints: tuple[str, str]) -> None:
+    """The new publisher's first batches never reach SUB (a slow reconnect: they are
+    filtered here), so the first one SUB sees is numbered past everything the old run sent.
+    Only the replay can tell: the last batch applied comes back with other content."""
+    pub_ep, rep_ep = endpoints
+    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)
+    new_run_hidden_through = [-1]  # SUB drops the new run's batches up to this number
+    sub, first = subscriber(pub, pub_ep, rep_ep,
+                            drop=lambda seq, replayed: replayed or
+                            seq > new_run_hidden_through[0])
+    try:
+        for h in (1, 2, 3):
+            pub.publish(stored(h))
+        until(lambda: sub.mirror.last_seq == first + 2, "the first publisher's batches")
+        pub.shutdown()
+        new_run_hidden_through[0] = first + 3
+        pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=rep_ep)  # seq from 0
+        for _ in range(first + 4):  # 0 .. first + 3: SUB never sees them
+            pub.publish(KVEventBatch(ts=time.time(), events=[]))
+        pub.publish(stored(9))  # first + 4
+        deadline = time.monotonic() + 20
+        while sub.mirror.last_seq < first + 4:  # until SUB is connected again
+            assert time.monotonic() < deadline, "the new publisher's batches never arrived"
+            pub.publish(KVEventBatch(ts=time.time(), events=[]))
+            time.sleep(0.05)
+        assert sub.restarts_total == 1 and set(sub.mirror.blocks) == {block_key(None, 9)}
+        assert sub.lost_batches_total == 0 and not sub.gap_open
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
 @pytest.mark.parametrize("buffer_steps", [20_000, 100], ids=["replay-repairs", "replay-too-short"])
 def test_a_burst_past_the_publishers_hwm_is_dropped_by_zmq_and_every_batch_accounted_for(
         endpoints: tuple[str, str], buffer_steps: int) -> None:

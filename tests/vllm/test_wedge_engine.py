@@ -17,6 +17,11 @@ One engine per mode, two phases, vLLM's own scheduler and pool as the truth:
    ``kvguard_reclaimed_blocks_total`` counts the blocks, vLLM's pool drains idle, and the
    greedy outputs of prompts that reuse the reclaimed (cached) blocks equal those the same
    engine served before any fault (a clean engine).
+4. *Refused* (the chaos suite's ``refcount_bump``): references taken behind every hook
+   leave blocks that no owner holds (orphans, found by the online audit); the next large
+   request waits, the wedge is named with them, ``/v1/ready`` is 503, and reclaim refuses
+   (``owner_unknown``): vLLM's ref counts are untouched, the request keeps waiting and the
+   engine stays out of rotation until it is restarted, as docs/wedge.md says.
 
 The stated time to a verdict: the stall's thresholds (``KVGUARD_WEDGE_AFTER_SECONDS``
 and ``_STEPS``, here 1 s and 10 steps) plus at most one judge interval (0.5 s) and one
@@ -37,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvguard.chaos.faults import SCHEDULER_CLS, Fault, FaultPlan
 from kvguard.chaos.harness import EngineHarness as Harness
 from kvguard.chaos.harness import prompt
+from kvguard.core.reclaim import RefusalReason
 from kvguard.core.wedge import DeadOwnerKind
 from kvguard.core.wedge_monitor import JUDGE_INTERVAL_SECONDS
 from kvguard.sidecar.app import create_app
@@ -46,6 +52,8 @@ from kvguard.testing.scheduling import Scheduling
 AFTER_SECONDS = 1.0
 AFTER_STEPS = 10
 BLOCK = 32
+ORPHANS = 5
+"""Blocks phase 4's ref-count bumps leave referenced by no owner."""
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -80,6 +88,9 @@ def test_a_skipped_free_wedges_the_engine_and_a_busy_pool_never_does(
     monkeypatch.setenv("KVGUARD_WEDGE_AFTER_STEPS", str(AFTER_STEPS))
     monkeypatch.setenv("KVGUARD_RECLAIM", "1")
     monkeypatch.setenv("KVGUARD_RECLAIM_AFTER_VERDICTS", "3")
+    # the online audit confirms phase 4's orphans within a few steps (default: 0.5 % of
+    # scheduler time, minutes on a workload this short)
+    monkeypatch.setenv("KVGUARD_ONLINE_BUDGET_FRACTION", "0.5")
     h = in_mode(engines, scheduling)(num_gpu_blocks_override=16, max_model_len=448,
                                      scheduler_cls=SCHEDULER_CLS)
     s, g = h.scheduler, h.guard
@@ -179,3 +190,31 @@ def test_a_skipped_free_wedges_the_engine_and_a_busy_pool_never_does(
                    if s.name.endswith("_total") and s.labels["engine_name"] == g.engine
                    and s.labels["cause"] == "finished_request"]
     assert counted == [float(held)] and g.errors.total == 0
+
+    # ---- 4. ref-count bump: a reference nobody owns wedges it; reclaim refuses, frees none
+    h.chaos.arm(FaultPlan({Fault.REFCOUNT_BUMP: ORPHANS}))
+    for i in range(ORPHANS):  # each finishing request's last block keeps one reference
+        h.add(prompt(20 + i, 2 * BLOCK + 3), max_tokens=4, rid=f"bumped{i}")
+        h.run_to_completion()
+    h.drain_scheduler()
+    bumped = {b.block_id for b in h.pool.blocks if not b.is_null and b.ref_cnt > 0}
+    assert len(bumped) == ORPHANS, "vLLM's pool does not hold the bumped references"
+    need = h.num_usable() - ORPHANS + 2  # more than vLLM has free, fewer than capacity
+    h.add(prompt(30, need * BLOCK - 8), max_tokens=4, rid="starved3")
+    h.step_until(lambda: bool(reclaim.refused), max_steps=100_000, max_seconds=120,
+                 pause_seconds=0.01)
+    v = mon.last
+    assert v is not None and v.wedged and len(s.waiting) == 1 and len(s.running) == 0
+    assert {o.kind for o in v.dead_owners} <= {DeadOwnerKind.ORPHAN,
+                                               DeadOwnerKind.REFCOUNT_DRIFT}
+    assert v.dead_blocks == ORPHANS and v.free_blocks == h.pool.get_num_free_blocks()
+    r = reclaim.state()
+    assert r.refused_total == {RefusalReason.OWNER_UNKNOWN.value: 1} and r.reclaims_total == 1
+    assert {b.block_id for b in h.pool.blocks if not b.is_null and b.ref_cnt > 0} == bumped
+    g.publish()
+    code, body, gauge = _ready(tmp_path, g.engine, until=lambda b: b["ready"] is False)
+    assert code == 503 and gauge == 1.0, body
+    for _ in range(AFTER_STEPS):  # refused stays refused: no free, still out of rotation
+        h.step()
+    assert reclaim.state().reclaims_total == 1 and h.vllm_status("starved3") is None
+    assert len(s.waiting) == 1 and len(s.running) == 0

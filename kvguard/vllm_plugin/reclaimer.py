@@ -28,7 +28,9 @@ Re-checked against vLLM at the moment of the free, refused when it fails: the ow
 not live in vLLM's scheduler nor in kvguard's ledger, and its hold is past its bound
 (``owner_alive``); every block the verdict named is still in what is freed and has at
 least one reference beyond those of live requests' tables (``blocks_changed``); no
-offload job's fence covers a block (``fenced``). A request vLLM keeps is freed only where
+offload job's fence covers a block, and no load job of the owner is pending (``fenced``:
+vLLM fences a store's source blocks, not a load's destination, and a load whose completion
+was lost may still write into them). A request vLLM keeps is freed only where
 kvguard can drop a late completion for it before vLLM sees one (the connector hook is
 installed): vLLM asserts that a completed transfer's request exists.
 
@@ -49,7 +51,18 @@ from kvguard.core.ledger import OwnershipLedger
 from kvguard.core.reclaim import ReclaimOutcome, RefusalReason
 from kvguard.core.types import RequestId
 from kvguard.core.wedge import DeadOwner
-from kvguard.vllm_plugin.versions import missing_message, released_request
+from kvguard.vllm_plugin.versions import (
+    JOB_DEFERRED_FENCE_BLOCK_IDS,
+    JOB_FENCED_BLOCK_IDS,
+    JOB_IS_STORE,
+    JOB_REQ_ID,
+    OFFLOAD_CONNECTOR_SCHEDULER,
+    OFFLOAD_JOBS,
+    SCHEDULER_CONNECTOR,
+    missing_message,
+    read,
+    released_request,
+)
 
 _REFUSE = RefusalReason
 
@@ -116,16 +129,26 @@ class VllmReclaimer:
                     refs.update(b.block_id for b in blocks if not b.is_null)
         return refs
 
+    def _offload_jobs(self) -> list[Any]:
+        """vLLM's OffloadingConnector jobs in flight (empty without that connector)."""
+        connector = read(self.scheduler, SCHEDULER_CONNECTOR)
+        jobs = read(read(connector, OFFLOAD_CONNECTOR_SCHEDULER), OFFLOAD_JOBS)
+        return list(jobs.values()) if isinstance(jobs, dict) else []
+
     def _fenced(self) -> set[int]:
-        """Blocks an offload job's fence holds (vLLM's OffloadingConnector; empty without)."""
-        cs = getattr(getattr(self.scheduler, "connector", None), "connector_scheduler", None)
-        jobs = getattr(cs, "_jobs", None)
+        """Blocks a store job's fence holds (it still reads them)."""
         out: set[int] = set()
-        if isinstance(jobs, dict):
-            for st in jobs.values():
-                for name in ("fenced_block_ids", "deferred_fence_block_ids"):
-                    out.update(int(b) for b in getattr(st, name, None) or ())
+        for st in self._offload_jobs():
+            for row in (JOB_FENCED_BLOCK_IDS, JOB_DEFERRED_FENCE_BLOCK_IDS):
+                out.update(int(b) for b in read(st, row) or ())
         return out
+
+    def _loading(self, request_id: str | None) -> bool:
+        """Whether a load job for ``request_id`` is still pending: it writes into that
+        request's blocks, which vLLM does not fence (a lost load's copy may still land)."""
+        return request_id is not None and any(
+            read(st, JOB_IS_STORE) is False and str(read(st, JOB_REQ_ID, "")) == request_id
+            for st in self._offload_jobs())
 
     def _deferred_entry(self, block_ids: frozenset[int]) -> Any:
         """The ``deferred_frees`` entry that holds the owner's blocks (None: none does)."""
@@ -148,6 +171,10 @@ class VllmReclaimer:
         if fenced:
             return _refused(_REFUSE.FENCED, path,
                             f"an offload job's fence holds block(s) {fenced[:8]}")
+        if self._loading(owner.engine_request_id):
+            return _refused(_REFUSE.FENCED, path,
+                            "an offload load job of the owner is still pending: it writes "
+                            "into these blocks, and only its connector can end it")
         live = self._live_refs()
         by_id = {b.block_id: b for b in blocks}
         short = sorted(bid for bid, n in own.items()

@@ -133,8 +133,72 @@ def case_healthy(h: EngineHarness) -> dict[str, Any]:
             "reports": [r.model_dump(mode="json") for r in h.reports()]}
 
 
+def _ready(h: EngineHarness, until_ready: bool) -> dict[str, Any]:
+    """``/v1/ready`` from a sidecar on the engine's run dir, once it says ``until_ready``."""
+    from fastapi.testclient import TestClient
+
+    from kvguard.sidecar.app import create_app
+    from kvguard.sidecar.store import EngineStore
+
+    h.guard.publish()
+    body: dict[str, Any] = {}
+    for _ in range(200):
+        store = EngineStore(Path(os.environ["KVGUARD_RUN_DIR"]))
+        store.refresh()
+        with TestClient(create_app(store)) as c:
+            r = c.get("/v1/ready")
+            body = {"status": r.status_code, **r.json()}
+        if body.get("ready") is until_ready:
+            return body
+        time.sleep(0.05)
+    raise AssertionError(f"/v1/ready never said ready={until_ready}: {body}")
+
+
+def case_wedged_by_lost_loads(h: EngineHarness) -> dict[str, Any]:
+    """Two loads whose completions never come, both clients gone: vLLM keeps both requests
+    FINISHED_ABORTED with their blocks; the next request waits on what is left."""
+    lost = ["lost-load-0", "lost-load-1"]
+    seeds = (5100, 5150)
+    for rid, seed in zip(lost, seeds, strict=True):
+        o._store_prefix(h, "prefix-" + rid, seed)
+    o._settle_jobs(h)
+    o._evict_prefix(h, 5200)
+    o.worker_of(h).arm_loss(loads=2)
+    for rid, seed in zip(lost, seeds, strict=True):
+        h.add(prompt(seed, o.PREFIX_TOKENS), max_tokens=8, rid=rid)
+    h.step_until(lambda: all(o._status(h, r) == "WAITING_FOR_REMOTE_KVS" for r in lost),
+                 max_steps=40)
+    h.step(3)
+    for rid in lost:
+        h.abort(rid)
+    h.step(2)
+    before = {"status": {r: o._status(h, r) for r in lost},
+              "blocks": {r: sorted(o._blocks(h, r)) for r in lost},
+              "free": int(h.pool.get_num_free_blocks())}
+    h.add(prompt(5900, 200), max_tokens=4, rid="starved")
+    mon, reclaim = h.guard.wedge, h.guard.reclaim
+    assert mon is not None and reclaim is not None, "KVGUARD_RECLAIM=1 did not attach"
+    h.step_until(lambda: sum(reclaim.refused.values()) >= 2 or reclaim.reclaims_total > 0,
+                 max_steps=10**6, pause_seconds=0.005, max_seconds=60)
+    h.step(10)
+    v = mon.last
+    assert v is not None
+    return {"before": before, "usable": h.num_usable(),
+            "verdict": v.model_dump(mode="json"), "reclaim": reclaim.state().model_dump(
+                mode="json"),
+            "after": {"status": {r: o._status(h, r) for r in lost},
+                      "blocks": {r: sorted(o._blocks(h, r)) for r in lost},
+                      "free": int(h.pool.get_num_free_blocks()),
+                      "starved_waiting": [r.request_id for r in h.scheduler.waiting]
+                      == [h.internal_id("starved")],
+                      "pending_loads": sum(1 for st in o.connector_scheduler(h)._jobs.values()
+                                           if not st.is_store)},
+            "ready": _ready(h, until_ready=False)}
+
+
 CASES = {"released": (case_released, {}), "reset": (case_reset, {}),
-         "healthy": (case_healthy, {"complete_after_steps": 3})}
+         "healthy": (case_healthy, {"complete_after_steps": 3}),
+         "wedged_by_lost_loads": (case_wedged_by_lost_loads, {})}
 
 
 def main() -> None:

@@ -24,10 +24,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.kv_connector, pytest.mark.timeout(
 CHILD = Path(__file__).with_name("_offload_child.py")
 
 
-def run_case(tmp_path: Path, case: str, scheduling: str = "sync") -> dict[str, Any]:
+def run_case(tmp_path: Path, case: str, scheduling: str = "sync",
+             env_extra: dict[str, str] | None = None) -> dict[str, Any]:
     run_dir = tmp_path / "run"
     env = {**os.environ, "KVGUARD_RUN_DIR": str(run_dir), "VLLM_PLUGINS": "kvguard",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env_extra or {})}
     proc = subprocess.run([sys.executable, str(CHILD), case, scheduling], capture_output=True,
                           text=True, env=env, timeout=280, check=False)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("OFFLOAD-CASE ")),
@@ -98,3 +99,32 @@ def test_a_healthy_offload_workload_gives_no_false_finding(tmp_path: Path,
     assert after["tier"]["write_pending"] == tier["write_pending"] == 0
     assert after["tier_checked_at"] is not None and after["tier_mismatch"] is None
     no_leak_reported(out["reports"])
+
+
+def test_lost_loads_wedge_the_engine_and_reclaim_refuses_to_free_what_a_load_may_write(
+        tmp_path: Path) -> None:
+    """Issue 54's lost offload load on the real connector: two requests aborted while their
+    loads' completions never come hold 12 of 15 blocks; a 7-block request waits. The wedge
+    is named with both, readiness is 503, and reclaim refuses both (``fenced``): vLLM does
+    not fence a load's destination blocks, and a lost load's copy may still land in them,
+    so freeing them could hand another request's KV to a late write. vLLM keeps every block
+    as it was; only the connector (or a restart) can end the jobs."""
+    out = run_case(tmp_path, "wedged_by_lost_loads", env_extra={
+        "KVGUARD_WEDGE_AFTER_SECONDS": "1", "KVGUARD_WEDGE_AFTER_STEPS": "10",
+        "KVGUARD_RECLAIM": "1", "KVGUARD_RECLAIM_AFTER_VERDICTS": "3"})
+    before, after, v, r = out["before"], out["after"], out["verdict"], out["reclaim"]
+    lost = {"lost-load-0", "lost-load-1"}
+    # vLLM: both aborted requests keep their blocks, the starved one waits on the rest.
+    assert set(before["status"].values()) == {"FINISHED_ABORTED"}
+    held = sum(len(b) for b in before["blocks"].values())
+    assert held == out["usable"] - before["free"] and before["free"] < 7
+    # kvguard: wedged, named with both dead owners and exactly their blocks.
+    assert v["wedged"] and v["waiting_requests"] == 1 and v["running_requests"] == 0
+    assert {o["request_id"] for o in v["dead_owners"]} == lost
+    assert v["dead_blocks"] == held
+    assert out["ready"]["status"] == 503 and "lost-load" in out["ready"]["reason"]
+    # reclaim: refused both, freed nothing; vLLM's pool is exactly as it was.
+    assert r["refused_total"] == {"fenced": 2} and r["reclaims_total"] == 0, r
+    assert after["status"] == before["status"] and after["blocks"] == before["blocks"]
+    assert after["free"] == before["free"] and after["starved_waiting"]
+    assert after["pending_loads"] == 2
